@@ -1,0 +1,129 @@
+"""Text <-> token ids, chat templates and streaming detokenization.
+
+Shared by the exporter (which stores the checkpoint's tokenizer files in the artifact) and the runtime
+(which rebuilds the tokenizer from them), so it depends on neither.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+from pt2serve.errors import Pt2ServeError
+
+# Used when a checkpoint ships no chat template: one "role: content" line per message.
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """What an artifact stores about its tokenizer: tokenizer.json text plus the special ids and template."""
+
+    tokenizer_json: str
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token/eos_token text, for templates
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": list(self.eos_token_ids),
+            "chat_template": self.chat_template,
+            "special_tokens": dict(self.special_tokens),
+        }
+
+    @classmethod
+    def from_dict(cls, tokenizer_json: str, data: dict[str, Any]) -> "TokenizerFiles":
+        return cls(
+            tokenizer_json=tokenizer_json,
+            bos_token_id=data.get("bos_token_id"),
+            eos_token_ids=tuple(data.get("eos_token_ids") or ()),
+            chat_template=data.get("chat_template"),
+            special_tokens=dict(data.get("special_tokens") or {}),
+        )
+
+
+class Tokenizer:
+    def __init__(self, files: TokenizerFiles) -> None:
+        self.files = files
+        try:
+            self._tok = HFTokenizer.from_str(files.tokenizer_json)
+        except Exception as err:  # the tokenizers library raises a bare Exception on bad JSON
+            raise Pt2ServeError(f"tokenizer.json could not be parsed: {err}") from None
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        self._chat = env.from_string(files.chat_template or PLAIN_CHAT_TEMPLATE)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.files.eos_token_ids
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        bos = self.files.bos_token_id
+        if add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text for a chat; the template adds bos itself when it wants one."""
+        try:
+            return self._chat.render(messages=messages, add_generation_prompt=True, **self.files.special_tokens)
+        except jinja2.TemplateError as err:
+            raise Pt2ServeError(f"chat template failed: {err}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.render_chat(messages)
+        bos_text = self.files.special_tokens.get("bos_token")
+        # A template that writes the bos text already starts the prompt with it: do not add a second.
+        return self.encode(text, add_bos=not (bos_text and text.startswith(bos_text)))
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._emitted = ""
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._tokenizer.decode(self._ids)
+        # A replacement character at the end means a multi-byte character is still incomplete.
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self._emitted):] if text.startswith(self._emitted) else ""
+        self._emitted = text
+        return delta
+
+    @property
+    def text(self) -> str:
+        return self._emitted
+
+
+def read_tokenizer_config(text: str, source: str) -> dict[str, Any]:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise Pt2ServeError(f"{source} is not valid JSON: {err}") from None
