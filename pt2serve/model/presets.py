@@ -85,15 +85,17 @@ def build_preset_model(name: str, dtype: torch.dtype, device: str | torch.device
     with torch.device("meta"):
         model = Transformer(preset.config)
     model = model.to_empty(device=device)
-    cfg = preset.config
-    model.inv_freq.copy_(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     generator = torch.Generator(device=device).manual_seed(SEED)
     with torch.no_grad():
         if name == "toy-greedy":
             _fill_toy_greedy(model, generator)
         else:
             _fill_random(model, generator)
-    return model.to(dtype)
+    model = model.to(dtype)
+    # Rotary frequencies stay fp32 whatever the weights' dtype, as when loading a checkpoint.
+    cfg = preset.config
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    return model
 
 
 def _fill_random(model: Transformer, generator: torch.Generator) -> None:

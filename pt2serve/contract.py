@@ -1,0 +1,49 @@
+"""The artifact contract shared by the exporter (which writes it) and the runtime (which reads it).
+
+It imports neither side: a served artifact needs no model or export code.
+
+Package layout (a PT2 zip archive):
+    data/aotinductor/<internal name>/...   one AOTInductor model per method, weights NOT inside
+    data/pt2serve/weights/<fqn>             each weight once, raw bytes (stored, uncompressed)
+    extra/pt2serve.json                     metadata (this module's field names), readable without loading
+    extra/tokenizer.json                    the checkpoint's tokenizer, when it had one
+
+Cell layout of the KV pool (one tensor per layer for K and one for V, [num_cells, kv_heads, head_dim]):
+    cell 0 = SCRATCH_CELL: padding tokens write here and nobody reads it
+    cells 1.. : handed out to sequences, one per token position
+"""
+
+from __future__ import annotations
+
+FORMAT_VERSION = 1
+METADATA_RECORD = "pt2serve.json"  # under the archive's extra/ folder
+TOKENIZER_RECORD = "tokenizer.json"  # under extra/
+WEIGHTS_PREFIX = "data/pt2serve/weights/"
+
+SCRATCH_CELL = 0
+
+FORWARD_OTHERS = "forward_others"
+SAMPLE = "sample"
+SAMPLE_ARGMAX = "sample_argmax"
+
+# Inputs of every forward method, in order, followed by the K pools then the V pools (one per layer).
+FORWARD_INPUTS = (
+    "tokens",  # [T] int64
+    "positions",  # [T] int64
+    "write_cells",  # [T] int64
+    "token_seq",  # [T] int64
+    "seq_indptr",  # [R+1] int64
+    "seq_cells",  # [E] int64
+    "logit_rows",  # [S] int64
+)
+# Inputs of `sample`: logits [R, V] fp32, then per row:
+SAMPLE_INPUTS = ("logits", "temperature", "top_p", "top_k", "uniform")
+
+
+def forward_name(width: int) -> str:
+    return f"forward_{width}"
+
+
+def internal_model_name(index: int) -> str:
+    """Names of equal length, so none is a prefix of another (torch 2.11 finds models by name prefix)."""
+    return f"method_{index:03d}"

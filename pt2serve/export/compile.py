@@ -1,0 +1,77 @@
+"""Tracing and AOTInductor-compiling methods, serially or in worker processes.
+
+Each worker builds the model once (from the checkpoint or preset: workers share nothing with the parent)
+and compiles the methods it is handed. Weights are left out of every compiled method
+(package_constants_in_so=False); the package stores them once and the runtime binds them at load.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch._inductor
+
+from pt2serve.export.methods import MethodSpec, trace_forward, trace_sampler
+from pt2serve.model.checkpoint import load_model
+from pt2serve.model.model import Transformer
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """Everything a worker needs to rebuild the model and compile one method."""
+
+    spec: MethodSpec
+    checkpoint: str | None
+    preset: str | None
+    dtype: torch.dtype
+    device: str
+    max_step_tokens: int
+    max_cells: int
+
+
+def inductor_options() -> dict:
+    return {
+        "aot_inductor.package": True,
+        "aot_inductor.package_constants_in_so": False,
+        # Dynamic dims are traced with min 2; the runtime may run smaller sizes, which the code handles.
+        "aot_inductor.check_lowerbound": False,
+    }
+
+
+@functools.cache
+def _worker_model(checkpoint: str | None, preset: str | None, dtype: torch.dtype, device: str) -> Transformer:
+    _config, model, _tokenizer = load_model(checkpoint, preset, dtype, device)
+    return model.eval()
+
+
+def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[str, list]:
+    """Trace and compile one method; returns (method name, AOTInductor files)."""
+    if model is None:
+        model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device)
+    if job.spec.name.startswith("forward"):
+        program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)
+    else:
+        program, args = trace_sampler(job.spec, model.config.vocab_size, job.device)
+    with torch.no_grad():
+        files = torch._inductor.aot_compile(program.module(), args, options=inductor_options())
+    return job.spec.name, files
+
+
+def compile_all(jobs: list[CompileJob], num_workers: int, model: Transformer) -> Iterator[tuple[str, list]]:
+    """Yield (name, files) as methods finish; in-process when one worker is asked for."""
+    if num_workers <= 1:
+        for job in jobs:
+            yield compile_method(job, model)
+        return
+    # spawn, not fork: CUDA cannot be used in a forked child.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(num_workers, len(jobs)), mp_context=context) as pool:
+        futures = [pool.submit(compile_method, job) for job in jobs]
+        for future in as_completed(futures):
+            yield future.result()
+

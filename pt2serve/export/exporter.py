@@ -1,0 +1,123 @@
+"""`pt2serve export`: model -> traced methods -> AOTInductor -> one .pt2 with weights once and metadata."""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+import pt2serve
+from pt2serve.contract import FORMAT_VERSION, internal_model_name
+from pt2serve.export.compile import CompileJob, compile_all
+from pt2serve.export.methods import method_specs
+from pt2serve.export.options import ExportOptions
+from pt2serve.export.package import weight_entries, weights_hash, write_package
+from pt2serve.model.checkpoint import load_model
+from pt2serve.model.model import Transformer
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    methods: tuple[str, ...]
+    package_bytes: int
+    weight_bytes: int
+    seconds: float
+
+
+def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
+    """Build the artifact described by `options`; raises Pt2ServeError on bad input before compiling."""
+    started = time.perf_counter()
+    options.validate()
+    checkpoint = str(options.checkpoint) if options.checkpoint is not None else None
+    config, model, tokenizer = load_model(checkpoint, options.preset, options.torch_dtype, options.device)
+    model.eval()
+    max_context = options.validate_for_model(config.max_position_embeddings)
+    specs = method_specs(options.forward_sizes, lambda width: options.entries_for(width, max_context))
+    jobs = [
+        CompileJob(spec, checkpoint, options.preset, options.torch_dtype, options.device,
+                   options.max_step_tokens, options.max_cells)
+        for spec in specs
+    ]
+    internal = {spec.name: internal_model_name(i) for i, spec in enumerate(specs)}
+    aoti_files: dict[str, list] = {}
+    progress = tqdm(total=len(jobs), desc="compiling methods", unit="method", disable=not show_progress)
+    with progress:
+        for name, files in compile_all(jobs, options.num_jobs, model):
+            aoti_files[internal[name]] = files
+            progress.set_postfix_str(name)
+            progress.update()
+    weights = model_weights(model)
+    metadata = build_metadata(options, config.to_dict(), max_context, specs, internal, weights, tokenizer)
+    write_package(options.output, aoti_files, weights, metadata, tokenizer.tokenizer_json if tokenizer else None)
+    return ExportSummary(
+        methods=tuple(spec.name for spec in specs),
+        package_bytes=options.output.stat().st_size,
+        weight_bytes=sum(t.numel() * t.element_size() for t in weights.values()),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def model_weights(model: Transformer) -> dict[str, torch.Tensor]:
+    """Every constant a compiled method may ask for: parameters plus non-persistent buffers (inv_freq)."""
+    weights = dict(model.named_parameters())
+    weights.update(model.named_buffers())
+    return {name: t.detach() for name, t in weights.items()}
+
+
+def build_metadata(
+    options: ExportOptions,
+    config: dict[str, Any],
+    max_context: int,
+    specs,
+    internal: dict[str, str],
+    weights: dict[str, torch.Tensor],
+    tokenizer,
+) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "source": f"checkpoint:{options.checkpoint}" if options.checkpoint else f"preset:{options.preset}",
+        "architecture": config["architecture"],
+        "model_config": config,
+        "vocab_size": config["vocab_size"],
+        "max_context": max_context,
+        "cache": {
+            "num_layers": config["num_layers"],
+            "num_kv_heads": config["num_kv_heads"],
+            "head_dim": config["head_dim"],
+            "dtype": options.dtype_name,
+        },
+        "max_cells": options.max_cells,
+        "forward_sizes": list(options.forward_sizes),
+        "max_step_tokens": options.max_step_tokens,
+        "min_prefill_chunk": options.min_prefill_chunk,
+        "dtype": options.dtype_name,
+        "backend": options.backend,
+        "methods": {
+            spec.name: {"internal_name": internal[spec.name], "width": spec.width, "num_entries": spec.num_entries}
+            for spec in specs
+        },
+        "weights": weight_entries(weights),
+        "content_hash": weights_hash(config, weights),
+        "tokenizer": tokenizer.to_dict() if tokenizer else None,
+        "built_with": build_environment(options),
+    }
+
+
+def build_environment(options: ExportOptions) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "pt2serve": pt2serve.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "gpu_arch": None,
+        "gpu_name": None,
+    }
+    if options.backend == "cuda":
+        major, minor = torch.cuda.get_device_capability(options.device_index)
+        env["gpu_arch"] = f"sm_{major}{minor}"
+        env["gpu_name"] = torch.cuda.get_device_name(options.device_index)
+    return env

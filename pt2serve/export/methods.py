@@ -1,0 +1,98 @@
+"""Tracing each artifact method with torch.export: its module, example inputs and dynamic dims."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.export import Dim
+
+from pt2serve.contract import FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, SCRATCH_CELL, forward_name
+from pt2serve.model.model import Transformer
+from pt2serve.model.sampling import ArgmaxSampler, Sampler
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method to build: a static forward of `width` tokens, forward_others, or a sampler."""
+
+    name: str
+    width: int | None = None  # static forwards only
+    num_entries: int | None = None  # static forwards only: fixed seq_cells length
+
+
+def method_specs(forward_sizes: tuple[int, ...], entries_for) -> list[MethodSpec]:
+    """All methods of an artifact, the slowest to compile (widest static) first."""
+    specs = [MethodSpec(forward_name(n), n, entries_for(n)) for n in sorted(forward_sizes, reverse=True)]
+    return specs + [MethodSpec(FORWARD_OTHERS), MethodSpec(SAMPLE), MethodSpec(SAMPLE_ARGMAX)]
+
+
+def example_step(num_tokens: int, num_seqs: int, num_entries: int, num_cells: int, device) -> tuple:
+    """A valid step: sequence 0 holds all tokens but one per other sequence, each at position 0.
+
+    Valid data matters: AOTInductor benchmarks kernels on these inputs on the GPU.
+    """
+    lengths = [num_tokens - (num_seqs - 1)] + [1] * (num_seqs - 1)
+    tokens = torch.arange(num_tokens, device=device) % 7
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+    write_cells = torch.arange(1, num_tokens + 1, device=device)
+    token_seq = torch.cat([torch.full((n,), i, device=device) for i, n in enumerate(lengths)])
+    seq_indptr = torch.tensor([0] + lengths, device=device).cumsum(0)
+    seq_cells = torch.full((num_entries,), SCRATCH_CELL, device=device)
+    seq_cells[:num_tokens] = write_cells
+    logit_rows = seq_indptr[1:] - 1
+    assert num_cells > num_tokens
+    return tokens, positions, write_cells, token_seq, seq_indptr, seq_cells, logit_rows
+
+
+def trace_forward(model: Transformer, spec: MethodSpec, max_step_tokens: int, max_cells: int):
+    """torch.export one forward method; pools are inputs mutated in place."""
+    cfg = model.config
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    static = spec.width is not None
+    num_tokens = spec.width if static else max(3, min(max_step_tokens, 80))
+    num_seqs = num_tokens if static else 2
+    num_entries = spec.num_entries if static else num_tokens + 5
+    num_cells = max(num_tokens + 2, 8)
+    step = example_step(num_tokens, num_seqs, num_entries, num_cells, device)
+    pool_shape = (num_cells, cfg.num_kv_heads, cfg.head_dim)
+    k_pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+    v_pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+    # The pool's cell count is dynamic even for static widths: the runtime sizes the pool at load.
+    cells = Dim("cells", min=2, max=max_cells + 1)
+    pool_dims = [{0: cells} for _ in range(cfg.num_layers)]
+    if static:
+        token_dims = indptr_dims = entry_dims = row_dims = None
+    else:
+        # Min 2 (a size-1 example would specialize); the runtime may still run T = 1 on it.
+        tokens_dim = Dim("tokens", min=2, max=max_step_tokens)
+        token_dims = {0: tokens_dim}
+        indptr_dims = {0: Dim("seqs_plus_one", min=3, max=max_step_tokens + 2)}
+        entry_dims = {0: Dim("entries", min=2)}
+        row_dims = {0: Dim("rows", min=2, max=max_step_tokens)}
+    dynamic_shapes = (
+        token_dims, token_dims, token_dims, token_dims, indptr_dims, entry_dims, row_dims, pool_dims, pool_dims,
+    )
+    with torch.no_grad():
+        return torch.export.export(
+            model, (*step, k_pools, v_pools), dynamic_shapes=dynamic_shapes, strict=False
+        ), (*step, k_pools, v_pools)
+
+
+def trace_sampler(spec: MethodSpec, vocab_size: int, device):
+    """torch.export `sample` or `sample_argmax` over a dynamic number of rows."""
+    rows = Dim("rows", min=2)
+    logits = torch.randn(3, vocab_size, device=device)
+    if spec.name == SAMPLE_ARGMAX:
+        args = (logits,)
+        module, dynamic_shapes = ArgmaxSampler(), ({0: rows},)
+    else:
+        args = (
+            logits,
+            torch.tensor([0.0, 0.7, 1.0], device=device),
+            torch.tensor([1.0, 0.9, 0.5], device=device),
+            torch.tensor([0, 5, 0], device=device),
+            torch.tensor([0.1, 0.5, 0.9], device=device),
+        )
+        module, dynamic_shapes = Sampler(), ({0: rows}, {0: rows}, {0: rows}, {0: rows}, {0: rows})
+    return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False), args

@@ -1,0 +1,124 @@
+"""What an export builds, validated before any compile work starts."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pt2serve.errors import Pt2ServeError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_MAX_STEP_TOKENS = 4096
+DEFAULT_MAX_CELLS = 65536
+# Cells a static (graph-captured) step may gather in total; wider contexts run on forward_others.
+DEFAULT_GRAPH_ENTRIES = 16384
+DEFAULT_MIN_PREFILL_CHUNK = 32
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    backend: str  # "cuda" or "cpu"
+    output: Path
+    checkpoint: Path | None = None
+    preset: str | None = None
+    dtype: str | None = None  # None: bf16 on cuda, fp32 on cpu
+    forward_sizes: tuple[int, ...] = DEFAULT_FORWARD_SIZES
+    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
+    max_cells: int = DEFAULT_MAX_CELLS
+    max_context: int | None = None  # None: the model's max_position_embeddings
+    graph_entries: int = DEFAULT_GRAPH_ENTRIES
+    min_prefill_chunk: int = DEFAULT_MIN_PREFILL_CHUNK
+    jobs: int | None = None  # None: a sensible number for the machine
+    device_index: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def dtype_name(self) -> str:
+        return self.dtype or ("bf16" if self.backend == "cuda" else "fp32")
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.device_index}" if self.backend == "cuda" else "cpu"
+
+    @property
+    def num_jobs(self) -> int:
+        if self.jobs is not None:
+            return self.jobs
+        # Each worker holds the model and runs a compiler; leave a core for the rest of the machine.
+        return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+    def entries_for(self, width: int, max_context: int) -> int:
+        """Entry capacity of the static method of this width: its fixed seq_cells length."""
+        return min(width * max_context, max(max_context, self.graph_entries))
+
+    def validate(self) -> None:
+        """Every check that needs no model: bad flags fail here, before compile work starts."""
+        if self.backend not in ("cuda", "cpu"):
+            raise Pt2ServeError(f"--backend must be cuda or cpu, got {self.backend!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise Pt2ServeError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if (self.checkpoint is None) == (self.preset is None):
+            raise Pt2ServeError("give exactly one of --checkpoint DIR or --preset NAME")
+        sizes = self.forward_sizes
+        if not sizes or any(n < 1 for n in sizes):
+            raise Pt2ServeError(f"--forward-sizes must be positive integers, got {','.join(map(str, sizes))}")
+        if any(b <= a for a, b in zip(sizes, sizes[1:])):
+            raise Pt2ServeError(f"--forward-sizes must be strictly increasing, got {','.join(map(str, sizes))}")
+        if sizes[-1] >= self.max_step_tokens:
+            raise Pt2ServeError(
+                f"--max-step-tokens ({self.max_step_tokens}) must exceed the widest forward size ({sizes[-1]}): "
+                "forward_others covers the widths between them"
+            )
+        if self.jobs is not None and self.jobs < 1:
+            raise Pt2ServeError(f"--jobs must be at least 1, got {self.jobs}")
+        if self.min_prefill_chunk < 1:
+            raise Pt2ServeError(f"--min-prefill-chunk must be at least 1, got {self.min_prefill_chunk}")
+        if self.backend == "cuda":
+            if not torch.cuda.is_available():
+                raise Pt2ServeError("--backend cuda needs a CUDA GPU, and torch sees none; use --backend cpu")
+            if self.device_index >= torch.cuda.device_count():
+                raise Pt2ServeError(
+                    f"--device-index {self.device_index} does not exist; this machine has "
+                    f"{torch.cuda.device_count()} GPU(s)"
+                )
+        self._check_output_writable()
+
+    def validate_for_model(self, max_position_embeddings: int) -> int:
+        """Checks that need the model's config; returns the max context to build for."""
+        max_context = self.max_context or max_position_embeddings
+        if max_context < 2:
+            raise Pt2ServeError(f"--max-context must be at least 2, got {max_context}")
+        if max_context > max_position_embeddings:
+            raise Pt2ServeError(
+                f"--max-context {max_context} exceeds the model's max_position_embeddings ({max_position_embeddings})"
+            )
+        if self.max_cells < max_context + 1:
+            raise Pt2ServeError(
+                f"--max-cells ({self.max_cells}) is too small for --max-context ({max_context}): one sequence "
+                f"needs max-context cells plus one scratch cell; use --max-cells {max_context + 1} or more"
+            )
+        return max_context
+
+    def _check_output_writable(self) -> None:
+        out = self.output
+        if out.suffix != ".pt2":
+            raise Pt2ServeError(f"output path must end in .pt2, got {str(out)!r}")
+        parent = out.parent if str(out.parent) else Path(".")
+        if out.is_dir():
+            raise Pt2ServeError(f"output path {str(out)!r} is a directory")
+        if not parent.is_dir():
+            raise Pt2ServeError(f"output directory {str(parent)!r} does not exist")
+        # Try it for real: permission bits say nothing for root, and some filesystems refuse anyway.
+        try:
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{out.name}.", suffix=".probe"):
+                pass
+        except OSError as err:
+            raise Pt2ServeError(f"output path {str(out)!r} is not writable: {err.strerror}") from None
