@@ -15,6 +15,9 @@ Cell layout of the KV pool (one tensor per layer for K and one for V, [num_cells
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 FORMAT_VERSION = 1
 METADATA_RECORD = "pt2serve.json"  # under the archive's extra/ folder
 TOKENIZER_RECORD = "tokenizer.json"  # under extra/
@@ -47,3 +50,23 @@ def forward_name(width: int) -> str:
 def internal_model_name(index: int) -> str:
     """Names of equal length, so none is a prefix of another (torch 2.11 finds models by name prefix)."""
     return f"method_{index:03d}"
+
+
+class ContentHasher:
+    """sha256 over the model config, then each weight's name, dtype, shape and bytes, fed in name order.
+
+    The exporter writes this digest into the metadata; the loader recomputes it while reading weights.
+    """
+
+    def __init__(self, config: dict) -> None:
+        self._digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+        self._last_name = ""
+
+    def update(self, name: str, dtype: str, shape, data) -> None:
+        assert name > self._last_name, "weights must be hashed in name order"
+        self._last_name = name
+        self._digest.update(f"{name}|{dtype}|{tuple(shape)}".encode())
+        self._digest.update(data)
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()

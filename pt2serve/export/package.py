@@ -6,7 +6,6 @@ and renamed, so an interrupted export leaves nothing half-written there.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -16,19 +15,21 @@ from typing import Any
 import torch
 from torch.export.pt2_archive._package import PT2ArchiveWriter, _package_aoti_files
 
-from pt2serve.contract import METADATA_RECORD, TOKENIZER_RECORD, WEIGHTS_PREFIX
+from pt2serve.contract import ContentHasher, METADATA_RECORD, TOKENIZER_RECORD, WEIGHTS_PREFIX
 
 _EXTRA_DIR = "extra/"
 
 
 def weights_hash(config: dict[str, Any], weights: dict[str, torch.Tensor]) -> str:
-    """sha256 over the model config and every weight's name, dtype, shape and bytes, in name order."""
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    hasher = ContentHasher(config)
     for name in sorted(weights):
         tensor = weights[name]
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-        digest.update(tensor_bytes(tensor))
-    return digest.hexdigest()
+        hasher.update(name, dtype_name(tensor.dtype), tensor.shape, tensor_bytes(tensor))
+    return hasher.hexdigest()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -38,7 +39,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def weight_entries(weights: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     return [
-        {"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+        {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
          "record": WEIGHTS_PREFIX + name}
         for name, t in sorted(weights.items())
     ]

@@ -1,0 +1,125 @@
+"""The `pt2serve` command line: export, inspect, generate (and serve-artifact, bench)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pt2serve.errors import Pt2ServeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+console = Console()
+
+
+def fail(message: str) -> None:
+    """Print a user error without a traceback and exit non-zero."""
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code=2)
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        fail(f"expected comma-separated integers, got {text!r}")
+
+
+@app.command("export")
+def export_command(
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the .pt2 package."),
+    backend: str = typer.Option("cuda", help="cuda or cpu."),
+    use_offgraph_kv_cache: bool = typer.Option(
+        False, "--use-offgraph-kv-cache", help="Keep the KV pool outside the graph (required: the batching contract)."
+    ),
+    checkpoint: Optional[Path] = typer.Option(None, help="Hugging Face-format checkpoint directory."),
+    preset: Optional[str] = typer.Option(None, help="Built-in model with generated weights (e.g. tiny)."),
+    dtype: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: bf16 on cuda, fp32 on cpu)."),
+    forward_sizes: str = typer.Option("1,2,4,8,16,32,64", help="Static step widths, increasing."),
+    max_step_tokens: int = typer.Option(4096, help="Widest step forward_others runs."),
+    max_cells: int = typer.Option(65536, help="Largest KV pool (cells) the runtime may allocate."),
+    max_context: Optional[int] = typer.Option(None, help="Longest sequence (default: the model's)."),
+    graph_entries: int = typer.Option(16384, help="Context cells one static step may read in total."),
+    min_prefill_chunk: int = typer.Option(32, help="Prefill is not cut into chunks shorter than this."),
+    jobs: Optional[int] = typer.Option(None, help="Parallel compile workers (default: half the cores, at most 8)."),
+    device_index: int = typer.Option(0, help="GPU to build on."),
+) -> None:
+    """Trace a model and compile it into one multi-method .pt2 package."""
+    from pt2serve.export.exporter import export
+    from pt2serve.export.options import ExportOptions
+
+    if not use_offgraph_kv_cache:
+        fail(
+            "--use-offgraph-kv-cache is required: the batching runtime keeps the KV pool outside the graph so one "
+            "compiled method serves any mix of sequences (an in-graph, single-sequence cache is not supported)"
+        )
+    options = ExportOptions(
+        backend=backend, output=output, checkpoint=checkpoint, preset=preset, dtype=dtype,
+        forward_sizes=parse_sizes(forward_sizes), max_step_tokens=max_step_tokens, max_cells=max_cells,
+        max_context=max_context, graph_entries=graph_entries, min_prefill_chunk=min_prefill_chunk, jobs=jobs,
+        device_index=device_index,
+    )
+    try:
+        summary = export(options)
+    except Pt2ServeError as err:
+        fail(str(err))
+    console.print(
+        f"wrote {output}: {len(summary.methods)} methods ({', '.join(summary.methods)}), "
+        f"{summary.package_bytes / 1e6:.1f} MB (weights {summary.weight_bytes / 1e6:.1f} MB), "
+        f"in {summary.seconds:.0f} s"
+    )
+
+
+@app.command("inspect")
+def inspect_command(
+    artifact: Path = typer.Argument(..., help="A .pt2 written by pt2serve export."),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw metadata as JSON."),
+) -> None:
+    """Show an artifact's metadata and methods without loading it."""
+    from pt2serve.runtime.artifact import read_metadata
+
+    try:
+        meta = read_metadata(artifact).raw
+    except Pt2ServeError as err:
+        fail(str(err))
+    if as_json:
+        sys.stdout.write(json.dumps(meta, indent=2) + "\n")
+        return
+    table = Table(title=str(artifact), show_header=False)
+    cfg = meta["model_config"]
+    built = meta["built_with"]
+    rows = [
+        ("format version", meta["format_version"]),
+        ("source", meta.get("source")),
+        ("architecture", meta["architecture"]),
+        ("layers / hidden / heads / kv heads / head dim",
+         f"{cfg['num_layers']} / {cfg['hidden_size']} / {cfg['num_heads']} / {cfg['num_kv_heads']} / {cfg['head_dim']}"),
+        ("vocab size", meta["vocab_size"]),
+        ("dtype / backend", f"{meta['dtype']} / {meta['backend']}"),
+        ("max context", meta["max_context"]),
+        ("max cells", meta["max_cells"]),
+        ("forward sizes", ", ".join(map(str, meta["forward_sizes"]))),
+        ("max step tokens", meta["max_step_tokens"]),
+        ("min prefill chunk", meta["min_prefill_chunk"]),
+        ("methods", ", ".join(meta["methods"])),
+        ("weights", f"{len(meta['weights'])} tensors"),
+        ("tokenizer", "yes" if meta.get("tokenizer") else "no (token ids only)"),
+        ("built with", f"torch {built['torch']}, cuda {built['cuda']}, {built.get('gpu_arch') or 'cpu'}"),
+        ("content hash", meta["content_hash"]),
+    ]
+    for key, value in rows:
+        table.add_row(key, str(value))
+    console.print(table)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Opening a .pt2: check it against this machine, load its weights once, bind them to every method.
+
+Nothing here imports model or export code: the package and its metadata are the whole contract.
+Every check runs before any compiled method runs, because AOTInductor crashes (not raises) on a method
+whose constants are missing and silently accepts wrong shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._inductor.package  # noqa: F401  (registers torch._C._aoti bindings' Python side)
+from tqdm import tqdm
+
+from pt2serve.contract import (
+    FORMAT_VERSION,
+    FORWARD_OTHERS,
+    METADATA_RECORD,
+    SAMPLE,
+    SAMPLE_ARGMAX,
+    TOKENIZER_RECORD,
+    ContentHasher,
+    forward_name,
+)
+from pt2serve.errors import Pt2ServeError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """The artifact's metadata document, with the fields the runtime relies on."""
+
+    raw: dict[str, Any]
+
+    @property
+    def forward_sizes(self) -> tuple[int, ...]:
+        return tuple(self.raw["forward_sizes"])
+
+    @property
+    def max_step_tokens(self) -> int:
+        return self.raw["max_step_tokens"]
+
+    @property
+    def max_context(self) -> int:
+        return self.raw["max_context"]
+
+    @property
+    def max_cells(self) -> int:
+        return self.raw["max_cells"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.raw["vocab_size"]
+
+    @property
+    def backend(self) -> str:
+        return self.raw["backend"]
+
+    @property
+    def cache(self) -> dict[str, Any]:
+        return self.raw["cache"]
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.cache["dtype"]]
+
+    @property
+    def min_prefill_chunk(self) -> int:
+        return self.raw["min_prefill_chunk"]
+
+    def entries_of(self, width: int) -> int:
+        return self.raw["methods"][forward_name(width)]["num_entries"]
+
+    def internal_name(self, method: str) -> str:
+        return self.raw["methods"][method]["internal_name"]
+
+    @property
+    def method_names(self) -> tuple[str, ...]:
+        return tuple(self.raw["methods"])
+
+
+_REQUIRED_FIELDS = (
+    "format_version", "model_config", "vocab_size", "max_context", "cache", "max_cells", "forward_sizes",
+    "max_step_tokens", "min_prefill_chunk", "dtype", "backend", "methods", "weights", "content_hash", "built_with",
+)
+
+
+def read_metadata(path: str | Path) -> Metadata:
+    """The metadata document alone: no method or weight is loaded."""
+    with _open_zip(path) as archive:
+        return Metadata(_read_metadata(archive, path))
+
+
+def read_tokenizer_json(path: str | Path) -> str | None:
+    with _open_zip(path) as archive:
+        name = _find_record(archive, "extra/" + TOKENIZER_RECORD)
+        return archive.read(name).decode() if name else None
+
+
+@dataclass
+class LoadReport:
+    load_seconds: float = 0.0
+    weight_bytes: int = 0
+    methods: tuple[str, ...] = ()
+
+
+@dataclass
+class Artifact:
+    """A loaded artifact: its metadata, device weights, and one runner per method."""
+
+    path: Path
+    metadata: Metadata
+    device: torch.device
+    weights: dict[str, torch.Tensor]
+    runners: dict[str, Any]  # method name -> torch._C._aoti.AOTIModelPackageLoader
+    tokenizer_json: str | None
+    report: LoadReport = field(default_factory=LoadReport)
+
+    def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.runners[method].run(inputs)
+
+
+def load_artifact(
+    path: str | Path, device: str | None = None, verify_hash: bool = True, show_progress: bool = False
+) -> Artifact:
+    """Open, check and load an artifact onto `device` (default: the one it was built for)."""
+    started = time.perf_counter()
+    path = Path(path)
+    with _open_zip(path) as archive:
+        metadata = Metadata(_read_metadata(archive, path))
+        target = torch.device(device or ("cuda" if metadata.backend == "cuda" else "cpu"))
+        check_machine(metadata, target)
+        records = _check_records(archive, metadata, path)
+        tokenizer_name = _find_record(archive, "extra/" + TOKENIZER_RECORD)
+        tokenizer_json = archive.read(tokenizer_name).decode() if tokenizer_name else None
+    weights = _load_weights(path, metadata, records, target, verify_hash, show_progress)
+    runners = {}
+    device_index = target.index if target.index is not None else (0 if target.type == "cuda" else -1)
+    for method in tqdm(metadata.method_names, desc="loading methods", disable=not show_progress):
+        runner = torch._C._aoti.AOTIModelPackageLoader(
+            str(path), metadata.internal_name(method), True, 1, device_index
+        )
+        _bind_weights(runner, method, weights, path)
+        runners[method] = runner
+    report = LoadReport(
+        load_seconds=time.perf_counter() - started,
+        weight_bytes=sum(t.numel() * t.element_size() for t in weights.values()),
+        methods=metadata.method_names,
+    )
+    return Artifact(path, metadata, target, weights, runners, tokenizer_json, report)
+
+
+def check_machine(metadata: Metadata, device: torch.device) -> None:
+    """Refuse an artifact this machine cannot run, saying how to fix it."""
+    built = metadata.raw["built_with"]
+    if metadata.backend == "cuda" and device.type != "cuda":
+        raise Pt2ServeError("this artifact was exported for cuda; serve it on a GPU, or re-export with --backend cpu")
+    if metadata.backend == "cpu" and device.type != "cpu":
+        raise Pt2ServeError("this artifact was exported for cpu; re-export with --backend cuda to run on a GPU")
+    if _major_minor(built["torch"]) != _major_minor(torch.__version__):
+        raise Pt2ServeError(
+            f"this artifact was built with torch {built['torch']}, but this machine has torch {torch.__version__}; "
+            "compiled methods only load under the torch release that built them: re-export it here"
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise Pt2ServeError("this artifact needs a CUDA GPU, and torch sees none")
+        major, minor = torch.cuda.get_device_capability(device)
+        here = f"sm_{major}{minor}"
+        if built.get("gpu_arch") and built["gpu_arch"] != here:
+            raise Pt2ServeError(
+                f"this artifact was built for {built['gpu_arch']} ({built.get('gpu_name')}), but this GPU is {here}; "
+                "re-export it on this GPU"
+            )
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
+def _open_zip(path: str | Path) -> zipfile.ZipFile:
+    path = Path(path)
+    if not path.is_file():
+        raise Pt2ServeError(f"artifact {str(path)!r} does not exist")
+    try:
+        return zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as err:
+        raise Pt2ServeError(f"{path} is not a readable .pt2 package ({err}); it may be truncated: re-export it") from None
+
+
+def _find_record(archive: zipfile.ZipFile, suffix: str) -> str | None:
+    """The record whose name is <archive root>/<suffix> (the root folder is the name it was written under)."""
+    for name in archive.namelist():
+        if name.split("/", 1)[-1] == suffix:
+            return name
+    return None
+
+
+def _read_metadata(archive: zipfile.ZipFile, path: Path) -> dict[str, Any]:
+    name = _find_record(archive, "extra/" + METADATA_RECORD)
+    if name is None:
+        raise Pt2ServeError(f"{path} has no pt2serve metadata: it was not written by `pt2serve export`")
+    try:
+        raw = json.loads(archive.read(name))
+    except (zipfile.BadZipFile, json.JSONDecodeError, OSError) as err:
+        raise Pt2ServeError(f"{path}: metadata is unreadable ({err}); re-export it") from None
+    missing = [key for key in _REQUIRED_FIELDS if key not in raw]
+    if missing:
+        raise Pt2ServeError(f"{path}: metadata lacks {', '.join(missing)}; re-export it")
+    if raw["format_version"] != FORMAT_VERSION:
+        raise Pt2ServeError(
+            f"{path} has artifact format {raw['format_version']}, this pt2serve reads format {FORMAT_VERSION}; "
+            "re-export it with this version"
+        )
+    return raw
+
+
+def _check_records(archive: zipfile.ZipFile, metadata: Metadata, path: Path) -> dict[str, zipfile.ZipInfo]:
+    """Every method and weight the metadata names is present, and the method files are intact."""
+    expected = {forward_name(n) for n in metadata.forward_sizes} | {FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX}
+    absent = sorted(expected - set(metadata.method_names))
+    if absent:
+        raise Pt2ServeError(f"{path} is incomplete: metadata lists no method {', '.join(absent)}")
+    by_suffix = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
+    for method in metadata.method_names:
+        prefix = f"data/aotinductor/{metadata.internal_name(method)}/"
+        files = [info for suffix, info in by_suffix.items() if suffix.startswith(prefix)]
+        if not any(info.filename.endswith(".so") for info in files):
+            raise Pt2ServeError(f"{path} is incomplete: method {method} has no compiled library; re-export it")
+        for info in files:
+            try:
+                archive.read(info.filename)  # zipfile checks each record's CRC as it reads
+            except (zipfile.BadZipFile, OSError) as err:
+                raise Pt2ServeError(f"{path}: method {method} is damaged ({err}); re-export it") from None
+    records = {}
+    for entry in metadata.raw["weights"]:
+        info = by_suffix.get(entry["record"])
+        if info is None:
+            raise Pt2ServeError(f"{path} is incomplete: weight {entry['name']} is missing; re-export it")
+        records[entry["name"]] = info
+    return records
+
+
+def _load_weights(
+    path: Path,
+    metadata: Metadata,
+    records: dict[str, zipfile.ZipInfo],
+    device: torch.device,
+    verify_hash: bool,
+    show_progress: bool,
+) -> dict[str, torch.Tensor]:
+    """Each weight read straight from its (uncompressed) record via mmap, checked, and moved to `device`."""
+    weights: dict[str, torch.Tensor] = {}
+    hasher = ContentHasher(metadata.raw["model_config"]) if verify_hash else None
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        entries = sorted(metadata.raw["weights"], key=lambda entry: entry["name"])
+        for entry in tqdm(entries, desc="loading weights", disable=not show_progress):
+            name, shape = entry["name"], tuple(entry["shape"])
+            dtype = _DTYPES[entry["dtype"]]
+            info = records[name]
+            expected_bytes = dtype.itemsize * _numel(shape)
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != expected_bytes:
+                raise Pt2ServeError(f"{path}: weight {name} has {info.file_size} bytes, expected {expected_bytes}")
+            offset = _data_offset(mapped, info, path)
+            if offset + expected_bytes > len(mapped):
+                raise Pt2ServeError(f"{path} is truncated inside weight {name}; re-export it")
+            data = memoryview(mapped)[offset:offset + expected_bytes]
+            host = bytearray(data)
+            data.release()
+            if hasher is not None:
+                hasher.update(name, entry["dtype"], shape, host)
+            weights[name] = torch.frombuffer(host, dtype=torch.uint8).view(dtype).reshape(shape).to(device)
+    if hasher is not None and hasher.hexdigest() != metadata.raw["content_hash"]:
+        raise Pt2ServeError(f"{path}: weights do not match the artifact's content hash (tampered or damaged)")
+    return weights
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _data_offset(mapped: mmap.mmap, info: zipfile.ZipInfo, path: Path) -> int:
+    header = mapped[info.header_offset:info.header_offset + _LOCAL_HEADER.size]
+    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise Pt2ServeError(f"{path}: record {info.filename} is damaged; re-export it")
+    fields = _LOCAL_HEADER.unpack(header)
+    name_length, extra_length = fields[-2], fields[-1]
+    return info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+
+
+def _bind_weights(runner, method: str, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Hand the method the shared device weights (no copies); refuse before AOTInductor can crash."""
+    needed = runner.get_constant_fqns()
+    missing = [name for name in needed if name not in weights]
+    if missing:
+        raise Pt2ServeError(f"{path}: method {method} needs weights the package lacks: {', '.join(missing[:5])}")
+    if needed:
+        # Arguments: constants, use_inactive, check_full_update, user_managed, (allow_h2d_copy on newer torch).
+        runner.load_constants({name: weights[name] for name in needed}, False, True, True)

@@ -1,0 +1,158 @@
+"""The executor: runs steps of chunks on a loaded artifact and returns sampled token ids.
+
+It owns the device state (KV pools, captured graphs) and only reads the step it is given; which cells
+belong to whom is the caller's business (see cells.CellAllocator). Only token ids come back to the host:
+one synchronisation per method call that samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pt2serve.contract import SAMPLE, SAMPLE_ARGMAX
+from pt2serve.errors import Pt2ServeError
+from pt2serve.runtime.artifact import Artifact
+from pt2serve.runtime.cells import CellAllocator, allocate_kv_pools, cells_that_fit
+from pt2serve.runtime.graphs import capture_all
+from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, slice_step
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    num_cells: int | None = None  # None: the artifact's max_cells, capped by kv_memory_fraction on a GPU
+    kv_memory_fraction: float = 0.6  # of the device memory free after weights, for the KV pool
+    use_cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_cells is not None and self.num_cells < 2:
+            raise Pt2ServeError(f"num_cells must be at least 2, got {self.num_cells}")
+        if not 0.0 < self.kv_memory_fraction <= 0.95:
+            raise Pt2ServeError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    method: str
+    num_tokens: int  # real tokens (without padding)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    tokens: tuple[int | None, ...]  # per chunk: the sampled next token, None where none was asked for
+    calls: tuple[CallRecord, ...]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    weight_bytes: int
+    pool_bytes: int
+    graph_bytes: int
+    num_cells: int
+    capture_seconds: float
+
+
+class Executor:
+    def __init__(self, artifact: Artifact, config: ExecutorConfig = ExecutorConfig()) -> None:
+        self.artifact = artifact
+        meta = artifact.metadata
+        self.device = artifact.device
+        self.forward_sizes = meta.forward_sizes
+        self.max_step_tokens = meta.max_step_tokens
+        num_cells = self._pool_size(config)
+        cache = meta.cache
+        self._pool_storage, k_pools, v_pools = allocate_kv_pools(
+            cache["num_layers"], num_cells, cache["num_kv_heads"], cache["head_dim"], meta.kv_dtype, self.device
+        )
+        self.pools = [*k_pools, *v_pools]
+        self.allocator = CellAllocator(num_cells)
+        free_before = _free_device_bytes(self.device)
+        idle_steps = {}
+        for width in self.forward_sizes:
+            method = f"forward_{width}"
+            idle_steps[method] = pack([], method, width, meta.entries_of(width))
+        use_graphs = config.use_cuda_graphs and self.device.type == "cuda"
+        self._static, capture_seconds = capture_all(self._run, idle_steps, self.pools, self.device, use_graphs)
+        self.uses_cuda_graphs = use_graphs
+        self.memory = MemoryReport(
+            weight_bytes=artifact.report.weight_bytes,
+            pool_bytes=self._pool_storage.numel() * self._pool_storage.element_size(),
+            graph_bytes=max(0, free_before - _free_device_bytes(self.device)),
+            num_cells=num_cells,
+            capture_seconds=capture_seconds,
+        )
+
+    def _pool_size(self, config: ExecutorConfig) -> int:
+        meta = self.artifact.metadata
+        limit = meta.max_cells + 1  # + the scratch cell
+        if config.num_cells is not None:
+            if config.num_cells > limit:
+                raise Pt2ServeError(f"num_cells {config.num_cells} exceeds the artifact's max_cells + 1 ({limit})")
+            return config.num_cells
+        if self.device.type != "cuda":
+            return limit
+        cache = meta.cache
+        fits = cells_that_fit(_free_device_bytes(self.device), config.kv_memory_fraction, cache["num_layers"],
+                              cache["num_kv_heads"], cache["head_dim"], meta.kv_dtype)
+        if fits < meta.max_context + 1:
+            raise Pt2ServeError(
+                f"only {fits} KV cells fit in {config.kv_memory_fraction:.0%} of free GPU memory, fewer than one "
+                f"max-context sequence needs ({meta.max_context + 1}); free memory or raise kv_memory_fraction"
+            )
+        return min(limit, fits)
+
+    def _run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.artifact.run(method, inputs)
+
+    def step(self, chunks: list[Chunk]) -> StepResult:
+        """Run one step; the chunks' cells must already be allocated (their K/V are written here)."""
+        meta = self.artifact.metadata
+        tokens: list[int | None] = [None] * len(chunks)
+        calls = []
+        for piece in slice_step(chunks, self.max_step_tokens):
+            num_tokens = sum(len(c.tokens) for _, c in piece)
+            num_entries = sum(c.end for _, c in piece)
+            method, width = choose_method(num_tokens, num_entries, self.forward_sizes, meta.entries_of)
+            call = pack(piece, method, width, meta.entries_of(width) if width else None)
+            logits = self._forward(call)
+            if call.sampled_chunks:
+                sampled = [piece_chunk(piece, i) for i in call.sampled_chunks]
+                ids = self._sample(logits[: len(sampled)], sampled)
+                for index, token in zip(call.sampled_chunks, ids):
+                    tokens[index] = token
+            calls.append(CallRecord(method, call.num_tokens))
+        return StepResult(tuple(tokens), tuple(calls))
+
+    def _forward(self, call: MethodCall) -> torch.Tensor:
+        if call.width is not None:
+            return self._static[call.method].forward(call.host)
+        device_inputs = torch.from_numpy(call.host).to(self.device)
+        inputs = list(torch.split(device_inputs, list(call.sizes)))
+        return self._run(call.method, [*inputs, *self.pools])[0]
+
+    def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> list[int]:
+        params = [c.sampling for c in chunks]
+        if all(p.is_greedy for p in params):
+            ids = self._run(SAMPLE_ARGMAX, [logits])[0]
+        else:
+            device = self.device
+            temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device)
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
+            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64).to(device)
+            uniform = torch.tensor([c.uniform for c in chunks], dtype=torch.float32).to(device)
+            ids = self._run(SAMPLE, [logits, temperature, top_p, top_k, uniform])[0]
+        return ids.tolist()
+
+
+def piece_chunk(piece: list[tuple[int, Chunk]], chunk_index: int) -> Chunk:
+    return next(chunk for index, chunk in piece if index == chunk_index)
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    free, _total = torch.cuda.mem_get_info(device)
+    return free

@@ -1,0 +1,96 @@
+"""CUDA graphs for the static forward methods, and the fixed-address input buffers they read.
+
+A captured graph freezes every shape and address, so each static width owns one device buffer laid out
+as step.py packs inputs; a step copies its packed host array into that buffer (one copy) and replays.
+Which cells each token sees is data in the buffer, so one graph per width serves any mix of sequences.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pt2serve.contract import FORWARD_INPUTS
+from pt2serve.runtime.step import MethodCall
+
+
+@dataclass
+class StaticBuffers:
+    """A device buffer and its input slices, plus a pinned host staging array of the same layout."""
+
+    device_buffer: torch.Tensor
+    host_staging: torch.Tensor
+    inputs: list[torch.Tensor]
+    copied: torch.cuda.Event | None  # the last copy out of host_staging, on CUDA
+
+    @classmethod
+    def allocate(cls, sizes: tuple[int, ...], device: torch.device) -> "StaticBuffers":
+        total = sum(sizes)
+        device_buffer = torch.zeros(total, dtype=torch.int64, device=device)
+        pinned = device.type == "cuda"
+        host_staging = torch.zeros(total, dtype=torch.int64, pin_memory=pinned)
+        copied = torch.cuda.Event() if pinned else None
+        return cls(device_buffer, host_staging, list(torch.split(device_buffer, list(sizes))), copied)
+
+    def load(self, host: np.ndarray) -> None:
+        """Copy a packed step into the buffer (asynchronously on CUDA; stream order keeps it safe)."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous copy must have left the staging array first
+        self.host_staging.numpy()[:] = host
+        self.device_buffer.copy_(self.host_staging, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
+class CapturedForward:
+    """One static width: its buffers and, on CUDA with graphs on, its captured graph."""
+
+    def __init__(self, run, method: str, idle_step: np.ndarray, sizes: tuple[int, ...], pools, device, use_graph: bool):
+        assert len(sizes) == len(FORWARD_INPUTS)
+        self.method = method
+        self.buffers = StaticBuffers.allocate(sizes, device)
+        self.buffers.load(idle_step)
+        self._run = run
+        self._pools = pools
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        if use_graph:
+            self._capture()
+
+    def _call(self) -> torch.Tensor:
+        return self._run(self.method, [*self.buffers.inputs, *self._pools])[0]
+
+    def _capture(self) -> None:
+        # The buffers hold an all-padding step (valid, writes only the scratch cell). Warm up on a side
+        # stream so lazy initialisation is not captured.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._call()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._call()
+
+    def forward(self, host: np.ndarray) -> torch.Tensor:
+        self.buffers.load(host)
+        if self.graph is None:
+            return self._call()
+        self.graph.replay()
+        return self.logits
+
+
+def capture_all(run, idle_steps: dict[str, MethodCall], pools, device, use_graph: bool) -> tuple[dict, float]:
+    """A CapturedForward per static method (from its all-padding step); returns them and the capture seconds."""
+    started = time.perf_counter()
+    captured = {
+        name: CapturedForward(run, name, idle.host, idle.sizes, pools, device, use_graph)
+        for name, idle in idle_steps.items()
+    }
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return captured, time.perf_counter() - started

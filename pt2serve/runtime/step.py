@@ -1,0 +1,139 @@
+"""Step planning: which method runs a step, slicing over-wide steps, and packing the step's inputs.
+
+A step is a list of chunks, each a run of consecutive tokens of one sequence. Its inputs are packed into
+ONE int64 host array, in the order of contract.FORWARD_INPUTS, so the device gets them in one copy and a
+captured graph reads them from fixed-address slices of one buffer:
+
+    [ tokens T | positions T | write_cells T | token_seq T | seq_indptr R+1 | seq_cells E | logit_rows S ]
+
+Padding keeps every shape valid: padding tokens form their own sequence (row R_real), sit at position 0,
+write the scratch cell and see only it, so they never touch real cells and never produce NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pt2serve.contract import FORWARD_OTHERS, SCRATCH_CELL, forward_name
+from pt2serve.runtime.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens start..start+len(tokens)-1 of one sequence; `sampling` set when its next token is wanted."""
+
+    cells: np.ndarray  # the sequence's cells for positions 0 .. start + len(tokens) - 1
+    tokens: tuple[int, ...]
+    start: int
+    sampling: SamplingParams | None = None
+    uniform: float = 0.0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class MethodCall:
+    """One call of one method: its packed inputs and where the sampled rows go."""
+
+    method: str
+    width: int | None  # static width, None for forward_others
+    host: np.ndarray  # int64, the packed inputs
+    sizes: tuple[int, ...]  # length of each input region, in FORWARD_INPUTS order
+    sampled_chunks: tuple[int, ...]  # index (in the step's chunk list) of each output row, in row order
+    num_tokens: int  # real tokens, without padding
+
+
+def slice_step(chunks: list[Chunk], max_tokens: int) -> list[list[tuple[int, Chunk]]]:
+    """Split a step into consecutive pieces of at most `max_tokens` tokens.
+
+    Each item keeps the index of the chunk it came from. A chunk cut in two asks for a token only from
+    its last part; later pieces run after earlier ones, so they see the cells the earlier ones wrote.
+    """
+    pieces: list[list[tuple[int, Chunk]]] = [[]]
+    room = max_tokens
+    for index, chunk in enumerate(chunks):
+        start = chunk.start
+        tokens = chunk.tokens
+        while tokens:
+            if room == 0:
+                pieces.append([])
+                room = max_tokens
+            take = min(room, len(tokens))
+            is_last = take == len(tokens)
+            end = start + take
+            part = Chunk(chunk.cells[:end], tokens[:take], start,
+                         chunk.sampling if is_last else None, chunk.uniform)
+            pieces[-1].append((index, part))
+            tokens, start, room = tokens[take:], end, room - take
+    return [piece for piece in pieces if piece]
+
+
+def choose_method(
+    num_tokens: int, num_entries: int, forward_sizes: tuple[int, ...], entries_of
+) -> tuple[str, int | None]:
+    """The narrowest static width that holds the step, else forward_others."""
+    for width in forward_sizes:
+        if width >= num_tokens:
+            padding_entries = 1 if width > num_tokens else 0
+            if num_entries + padding_entries <= entries_of(width):
+                return forward_name(width), width
+            break  # wider static methods would waste more; the dynamic one fits any entry count
+    return FORWARD_OTHERS, None
+
+
+def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_entries: int | None) -> MethodCall:
+    """Lay out one piece's inputs for `method` (static `width`, or forward_others when width is None)."""
+    chunks = [chunk for _, chunk in piece]
+    num_real = sum(len(c.tokens) for c in chunks)
+    num_seqs = len(chunks)
+    real_entries = sum(c.end for c in chunks)
+    if width is None:
+        # forward_others: one padding token in its own sequence keeps T >= 2 and R + 1 >= 3.
+        num_tokens, num_padding = num_real + 1, 1
+        num_rows_seq = num_seqs + 1
+        num_entries = real_entries + 1
+    else:
+        num_tokens, num_padding = width, width - num_real
+        num_rows_seq = width
+        num_entries = static_entries
+    sampled = [i for i, c in enumerate(chunks) if c.sampling is not None]
+    num_logit_rows = width if width is not None else max(2, len(sampled))
+    sizes = (num_tokens,) * 4 + (num_rows_seq + 1, num_entries, num_logit_rows)
+    host = np.zeros(sum(sizes), dtype=np.int64)
+    tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = np.split(
+        host, np.cumsum(sizes)[:-1]
+    )
+    at = entry_at = 0
+    for row, chunk in enumerate(chunks):
+        count = len(chunk.tokens)
+        tokens[at:at + count] = chunk.tokens
+        positions[at:at + count] = np.arange(chunk.start, chunk.end)
+        write_cells[at:at + count] = chunk.cells[chunk.start:chunk.end]
+        token_seq[at:at + count] = row
+        seq_cells[entry_at:entry_at + chunk.end] = chunk.cells[:chunk.end]
+        entry_at += chunk.end
+        indptr[row + 1] = entry_at
+        at += count
+    if num_padding:
+        # tokens and positions stay 0; the padding sequence is row num_seqs with the scratch cell alone.
+        write_cells[at:] = SCRATCH_CELL
+        token_seq[at:] = num_seqs
+        seq_cells[entry_at] = SCRATCH_CELL
+        entry_at += 1
+    indptr[num_seqs + 1:] = entry_at
+    seq_cells[entry_at:] = SCRATCH_CELL
+    row_ends = np.cumsum([len(c.tokens) for c in chunks]) - 1
+    logit_rows[: len(sampled)] = row_ends[sampled]
+    logit_rows[len(sampled):] = num_tokens - 1  # extra rows: any valid token; their logits are ignored
+    return MethodCall(
+        method=method,
+        width=width,
+        host=host,
+        sizes=sizes,
+        sampled_chunks=tuple(piece[i][0] for i in sampled),
+        num_tokens=num_real,
+    )

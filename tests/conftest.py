@@ -1,0 +1,63 @@
+"""Shared fixtures: each compiled test artifact is exported once per test run.
+
+Set PT2SERVE_TEST_ARTIFACTS=DIR to keep the exports in DIR and reuse them across runs (delete the files
+after changing model or export code).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pt2serve.export.exporter import export
+from pt2serve.export.options import ExportOptions
+
+# Small enough to export quickly on 2 cores, wide enough for every width test (1..65, 96, 97, > max).
+TEST_MAX_CONTEXT = 256
+TEST_MAX_STEP_TOKENS = 128
+TEST_MAX_CELLS = 4096
+
+
+def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
+    return ExportOptions(
+        backend="cpu",
+        output=output,
+        preset=preset,
+        dtype="fp32",
+        max_context=TEST_MAX_CONTEXT,
+        max_step_tokens=TEST_MAX_STEP_TOKENS,
+        max_cells=TEST_MAX_CELLS,
+        jobs=2,
+    )
+
+
+def _exported(preset: str, tmp_path_factory) -> Path:
+    keep = os.environ.get("PT2SERVE_TEST_ARTIFACTS")
+    folder = Path(keep) if keep else tmp_path_factory.mktemp("artifacts")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{preset}.pt2"
+    if not path.exists():
+        export(export_options_for_tests(preset, path), show_progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory) -> Path:
+    return _exported("tiny", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def toy_artifact(tmp_path_factory) -> Path:
+    return _exported("toy-greedy", tmp_path_factory)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
