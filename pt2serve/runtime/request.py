@@ -1,0 +1,85 @@
+"""A request's own state: its tokens, how many are computed (in cells), its cells and counters.
+
+Only the scheduler changes `status`; the request owns its tokens and counters.
+
+    tokens:  [ p0 p1 ... p(n-1) | g0 g1 ... ]     prompt, then generated tokens
+    cells:   [ c0 c1 ... ]                         one per computed token, in position order
+    num_computed <= len(tokens): tokens whose K/V are in cells. The newest sampled token is never
+    computed yet; it is fed in the next step (a decode).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pt2serve.runtime.cells import CellTable
+from pt2serve.runtime.sampling import RequestRandom, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # nothing computed yet or preempted
+    RUNNING = "running"  # holds cells; prefilling or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_new_tokens or the context limit
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What a caller asks for (token ids already; the runner tokenizes text)."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int = 16
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    session_id: str | None = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose cells came from a session or the prefix cache
+    prefilled_tokens: int = 0  # prompt tokens computed by this request
+    completion_tokens: int = 0
+    arrival_step: int = 0
+    first_scheduled_step: int | None = None
+
+
+@dataclass
+class Request:
+    id: int
+    spec: RequestSpec
+    tokens: list[int]
+    random: RequestRandom
+    cells: CellTable = field(default_factory=CellTable)
+    num_computed: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.spec.prompt_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Known tokens not yet computed."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the newest (sampled) token is pending."""
+        return self.num_computed >= self.num_prompt and self.num_pending == 1
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.num_prompt:]

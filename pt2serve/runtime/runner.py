@@ -1,0 +1,326 @@
+"""The runner: one engine thread that owns the executor and scheduler, and handles that stream tokens.
+
+Callers on any thread `submit()` requests and read events from the returned handle (or get them through
+a callback, e.g. into an asyncio loop). Everything that touches the scheduler, cells or device runs on
+the engine thread; other threads only enqueue commands.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from pt2serve.errors import Pt2ServeError
+from pt2serve.runtime.executor import CallRecord, Executor
+from pt2serve.runtime.request import FinishReason, Request, RequestSpec, RequestStats
+from pt2serve.runtime.sampling import RequestRandom, SamplingParams
+from pt2serve.runtime.scheduler import Scheduler, SchedulerConfig
+from pt2serve.runtime.stop import StopStringMatcher
+from pt2serve.tokenizer import IncrementalDecoder, Tokenizer
+
+STEP_HISTORY = 100_000  # step records kept for inspection (tests, benchmarks)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    token_budget: int | None = None  # tokens per step; None: the widest static forward size
+    max_decode_sequences: int | None = None  # None: the token budget
+    min_prefill_chunk: int | None = None  # None: the artifact's
+    prefix_cache_entries: int = 0
+    max_sessions: int = 64
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    token_id: int | None  # None on a final event that carries no token (cancel, error)
+    text: str  # the detokenized text this event adds ("" without a tokenizer)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stats: RequestStats
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    num_tokens: int
+    num_decode: int
+    calls: tuple[CallRecord, ...]
+    seconds: float
+
+
+@dataclass
+class RunnerStats:
+    num_waiting: int = 0
+    num_running: int = 0
+    cells_used: int = 0
+    cells_free: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_steps: int = 0
+
+
+class RequestHandle:
+    """A submitted request: iterate its events, or wait for the whole completion."""
+
+    def __init__(self, request_id: int, prompt_ids: list[int], on_event: Callable[[StreamEvent], None] | None):
+        self.id = request_id
+        self.prompt_ids = prompt_ids
+        self._events: queue.SimpleQueue[StreamEvent] = queue.SimpleQueue()
+        self._on_event = on_event
+        self._done = threading.Event()
+        self._token_ids: list[int] = []
+        self._text: list[str] = []
+        self._finish: StreamEvent | None = None
+        self.stats = RequestStats(prompt_tokens=len(prompt_ids))
+
+    def _deliver(self, event: StreamEvent) -> None:
+        if event.token_id is not None:
+            self._token_ids.append(event.token_id)
+        self._text.append(event.text)
+        if event.finish_reason is not None:
+            self._finish = event
+            self._done.set()
+        if self._on_event is not None:
+            self._on_event(event)
+        else:
+            self._events.put(event)
+
+    @property
+    def is_finished(self) -> bool:
+        return self._done.is_set()
+
+    def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
+        """Events as they come, ending with the one that carries the finish reason."""
+        while True:
+            event = self._events.get(timeout=timeout)
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> Completion:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        assert self._finish is not None
+        return Completion(list(self._token_ids), "".join(self._text), self._finish.finish_reason,
+                          self.stats, self._finish.error)
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping for one request."""
+
+    handle: RequestHandle
+    decoder: IncrementalDecoder | None
+    stops: StopStringMatcher
+    emitted_text: list[str] = field(default_factory=list)
+
+
+class Runner:
+    def __init__(self, executor: Executor, tokenizer: Tokenizer | None = None, config: RunnerConfig = RunnerConfig()):
+        meta = executor.artifact.metadata
+        budget = config.token_budget or max(meta.forward_sizes)
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.max_context = meta.max_context
+        self.vocab_size = meta.vocab_size
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                token_budget=budget,
+                max_decode_sequences=config.max_decode_sequences or budget,
+                min_prefill_chunk=config.min_prefill_chunk or meta.min_prefill_chunk,
+                max_context=meta.max_context,
+                prefix_cache_entries=config.prefix_cache_entries,
+                max_sessions=config.max_sessions,
+            ),
+            executor.allocator,
+        )
+        self.step_history: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
+        self.stats = RunnerStats(cells_free=executor.allocator.num_free)
+        self._ids = itertools.count(1)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._live: dict[int, _Live] = {}
+        self._num_active = 0
+        self._active_lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._engine_loop, name="pt2serve-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side (any thread) ---------------------------------------------------------------------
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not yet finished (running plus queued)."""
+        return self._num_active
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 16,
+        sampling: SamplingParams = SamplingParams(),
+        stop_token_ids: tuple[int, ...] = (),
+        stop_strings: tuple[str, ...] = (),
+        session_id: str | None = None,
+        ignore_eos: bool = False,
+        on_event: Callable[[StreamEvent], None] | None = None,
+    ) -> RequestHandle:
+        """Queue a request; raises Pt2ServeError for a request that can never run."""
+        prompt_ids = self._prompt_ids(prompt)
+        if max_new_tokens < 1:
+            raise Pt2ServeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        total = len(prompt_ids) + max_new_tokens
+        if total > self.max_context:
+            raise Pt2ServeError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                f"artifact's max context of {self.max_context} tokens"
+            )
+        if total > self.executor.allocator.capacity:
+            raise Pt2ServeError(f"{total} tokens exceed the KV pool ({self.executor.allocator.capacity} cells)")
+        stops = set(stop_token_ids)
+        if self.tokenizer is not None and not ignore_eos:
+            stops.update(self.tokenizer.eos_token_ids)
+        spec = RequestSpec(tuple(prompt_ids), max_new_tokens, sampling, frozenset(stops), tuple(stop_strings),
+                           session_id, ignore_eos)
+        handle = RequestHandle(next(self._ids), prompt_ids, on_event)
+        with self._active_lock:
+            if self._stopping:
+                raise Pt2ServeError("the runner is shut down")
+            self._num_active += 1
+        self._inbox.put(("submit", handle, spec))
+        self._wakeup.set()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Stop a request; its cells are freed before the next step."""
+        self._inbox.put(("cancel", handle.id))
+        self._wakeup.set()
+
+    def close(self) -> None:
+        with self._active_lock:
+            self._stopping = True
+        self._wakeup.set()
+        self._thread.join()
+
+    def generate(self, prompt: str | list[int], **kwargs) -> Completion:
+        """Submit and wait."""
+        return self.submit(prompt, **kwargs).result()
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise Pt2ServeError("this artifact has no tokenizer: send token ids, not text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise Pt2ServeError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise Pt2ServeError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return ids
+
+    # -- engine thread ---------------------------------------------------------------------------------
+
+    def _engine_loop(self) -> None:
+        while True:
+            self._drain_inbox()
+            self._update_stats()
+            if self._stopping:
+                self._shutdown()
+                return
+            if not self.scheduler.has_work():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            self._run_step()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "submit":
+                _, handle, spec = command
+                self._start(handle, spec)
+            else:
+                self._finish(command[1], FinishReason.CANCELLED)
+
+    def _start(self, handle: RequestHandle, spec: RequestSpec) -> None:
+        request = Request(handle.id, spec, list(spec.prompt_ids), RequestRandom(spec.sampling.seed))
+        request.stats = handle.stats
+        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
+        self._live[handle.id] = _Live(handle, decoder, StopStringMatcher(spec.stop_strings))
+        self.scheduler.add(request)
+
+    def _run_step(self) -> None:
+        plan = self.scheduler.plan()
+        if not plan.chunks:
+            time.sleep(0.001)  # nothing fits now (pool full of in-flight work); let commands arrive
+            return
+        started = time.perf_counter()
+        try:
+            result = self.executor.step(self.scheduler.executor_chunks(plan))
+        except Exception as err:  # a failing step fails its requests, not the engine
+            message = f"{type(err).__name__}: {err}"
+            for request_id in self.scheduler.fail(plan, message):
+                self._emit_final(request_id, FinishReason.ERROR, message)
+            return
+        seconds = time.perf_counter() - started
+        self.step_history.append(StepRecord(plan.step, plan.num_tokens, plan.num_decode, result.calls, seconds))
+        for event in self.scheduler.commit(plan, result.tokens):
+            self._on_token(event.request_id, event.token, event.finish_reason)
+
+    def _on_token(self, request_id: int, token: int, finish_reason: FinishReason | None) -> None:
+        live = self._live[request_id]
+        text = live.decoder.push(token) if live.decoder is not None else ""
+        text, hit_stop = live.stops.feed(text, is_final=finish_reason is not None)
+        if hit_stop and finish_reason is None:
+            self.scheduler.finish(request_id, FinishReason.STOP)
+            finish_reason = FinishReason.STOP
+        self._deliver(request_id, StreamEvent(token, text, finish_reason))
+
+    def _finish(self, request_id: int, reason: FinishReason, error: str | None = None) -> None:
+        if self.scheduler.finish(request_id, reason) is not None:
+            self._emit_final(request_id, reason, error)
+
+    def _emit_final(self, request_id: int, reason: FinishReason, error: str | None) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            self._deliver(request_id, StreamEvent(None, live.stops.flush(), reason, error))
+
+    def _deliver(self, request_id: int, event: StreamEvent) -> None:
+        live = self._live[request_id]
+        if event.finish_reason is not None:
+            del self._live[request_id]
+            with self._active_lock:
+                self._num_active -= 1
+        live.handle._deliver(event)
+
+    def _update_stats(self) -> None:
+        allocator = self.scheduler.allocator
+        self.stats = RunnerStats(
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            cells_used=allocator.num_used,
+            cells_free=allocator.num_free,
+            prefix_cache_hit_rate=self.scheduler.prefix_cache.hit_rate,
+            num_steps=self.scheduler.step,
+        )
+
+    def _shutdown(self) -> None:
+        for request_id in list(self._live):
+            self._finish(request_id, FinishReason.CANCELLED)
+        self._update_stats()

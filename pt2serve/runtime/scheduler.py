@@ -1,0 +1,293 @@
+"""Decode-first scheduling with chunked prefill, as an explicit plan and a commit of its results.
+
+One rule drives it: each request's computed tokens catch up with its known tokens. Each step:
+  1. decode: one token for each running request whose only pending token is its newest sample, up to
+     `max_decode_sequences` (rotating, so all get turns), leaving room for prefill when prompts wait;
+  2. prefill: the rest of the token budget goes to pending prompts in round-robin order (the starting
+     request rotates every step), each taking a chunk, so no prompt starves.
+Cells are allocated as tokens are scheduled; when the pool runs dry the prefix cache and idle sessions
+give theirs back first, then the most recently admitted request is preempted (recomputed later).
+
+`plan()` returns a StepPlan of plain data; `commit(plan, tokens)` applies the executor's output.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pt2serve.runtime.cells import CellAllocator, CellTable
+from pt2serve.runtime.prefix_cache import PrefixCache
+from pt2serve.runtime.request import FinishReason, Request, RequestStatus
+from pt2serve.runtime.sessions import Session, SessionStore
+from pt2serve.runtime.step import Chunk
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    token_budget: int  # tokens per step
+    max_decode_sequences: int  # decodes per step
+    min_prefill_chunk: int = 32  # a prompt is not cut into pieces shorter than this (but its remainder)
+    max_context: int = 2048
+    prefix_cache_entries: int = 0  # 0: off
+    max_sessions: int = 64
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1 or self.max_decode_sequences < 1:
+            raise ValueError("token_budget and max_decode_sequences must be at least 1")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: int
+    start: int  # position of the chunk's first token
+    num_tokens: int
+    samples: bool  # the chunk reaches the request's newest token: its next token is sampled
+    uniform: float  # the request's draw for that sample
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    chunks: tuple[ScheduledChunk, ...]
+    num_decode: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: int
+    token: int
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: CellAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.prefix_cache = PrefixCache(allocator, config.prefix_cache_entries)
+        self.sessions = SessionStore(allocator, config.max_sessions)
+        self.requests: dict[int, Request] = {}
+        self._waiting: deque[int] = deque()  # FIFO of requests holding no cells
+        self._running: list[int] = []  # admission order (last = first preempted)
+        self._decode_turn = 0
+        self._prefill_turn = 0
+        self.step = 0
+
+    # -- queue ---------------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.stats.arrival_step = self.step
+        self.requests[request.id] = request
+        self._waiting.append(request.id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # -- planning ------------------------------------------------------------------------------------
+
+    def plan(self) -> StepPlan:
+        self.step += 1
+        scheduled: dict[int, ScheduledChunk] = {}
+        prompts_wait = bool(self._waiting) or any(not self.requests[r].is_decoding for r in self._running)
+        decode_cap = self.config.max_decode_sequences
+        if prompts_wait:
+            reserve = min(self.config.min_prefill_chunk, self.config.token_budget // 2)
+            decode_cap = min(decode_cap, self.config.token_budget - reserve)
+        decode_cap = max(1, min(decode_cap, self.config.token_budget))
+        self._schedule_decodes(scheduled, decode_cap)
+        num_decode = len(scheduled)
+        self._schedule_prefills(scheduled, self.config.token_budget - num_decode)
+        plan = StepPlan(self.step, tuple(scheduled.values()), num_decode)
+        assert plan.num_tokens <= self.config.token_budget
+        assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
+        return plan
+
+    def _schedule_decodes(self, scheduled: dict[int, ScheduledChunk], cap: int) -> None:
+        decoding = [r for r in self._running if self.requests[r].is_decoding]
+        if not decoding:
+            return
+        self._decode_turn %= len(decoding)
+        order = decoding[self._decode_turn:] + decoding[:self._decode_turn]
+        self._decode_turn += cap
+        for request_id in order[:cap]:
+            if request_id not in self.requests or request_id in scheduled:
+                continue  # preempted to make room for an earlier one this step
+            if self._allocate(self.requests[request_id], 1, scheduled):
+                scheduled[request_id] = self._chunk(self.requests[request_id], 1)
+
+    def _schedule_prefills(self, scheduled: dict[int, ScheduledChunk], budget: int) -> None:
+        prefilling = [r for r in self._running if r not in scheduled and not self.requests[r].is_decoding]
+        candidates = prefilling + list(self._waiting)
+        if not candidates or budget <= 0:
+            return
+        self._prefill_turn %= len(candidates)
+        order = candidates[self._prefill_turn:] + candidates[:self._prefill_turn]
+        self._prefill_turn += 1
+        for request_id in order:
+            if budget <= 0:
+                break
+            request = self.requests.get(request_id)
+            if request is None or request_id in scheduled:
+                continue
+            if request.status is RequestStatus.WAITING:
+                self._admit(request)
+            count = min(request.num_pending, budget)
+            if count < request.num_pending and count < self.config.min_prefill_chunk and scheduled:
+                continue  # too small a piece to be worth a cut; a later step gives it a full chunk
+            if not self._allocate(request, count, scheduled):
+                if request.num_computed == 0 and request.cells.length == 0:
+                    self._unadmit(request)
+                break  # the pool is full: stop admitting
+            scheduled[request_id] = self._chunk(request, count)
+            budget -= count
+
+    def _chunk(self, request: Request, count: int) -> ScheduledChunk:
+        samples = request.num_computed + count == len(request.tokens)
+        draw = samples and not request.spec.sampling.is_greedy
+        uniform = request.random.next_uniform() if draw else 0.0
+        if request.stats.first_scheduled_step is None:
+            request.stats.first_scheduled_step = self.step
+        return ScheduledChunk(request.id, request.num_computed, count, samples, uniform)
+
+    def _admit(self, request: Request) -> None:
+        """WAITING -> RUNNING, reusing a session's or the prefix cache's cells where the prompt allows."""
+        self._waiting.remove(request.id)
+        self._running.append(request.id)
+        request.status = RequestStatus.RUNNING
+        if request.num_computed:
+            return
+        # At least the newest token must be computed: its logits give the next token.
+        limit = len(request.tokens) - 1
+        reused = self._reuse_session(request, limit)
+        if reused == 0 and self.prefix_cache.max_entries:
+            match = self.prefix_cache.lookup(request.tokens, limit)
+            if match is not None:
+                request.cells = CellTable(match.cells)
+                reused = match.num_tokens
+        request.num_computed = reused
+        request.stats.reused_tokens = min(reused, request.num_prompt)
+
+    def _reuse_session(self, request: Request, limit: int) -> int:
+        key = request.spec.session_id
+        session = self.sessions.take(key) if key is not None else None
+        if session is None:
+            return 0
+        history = session.tokens
+        if len(history) > len(request.tokens) or request.tokens[: len(history)] != history:
+            self.allocator.free(session.cells)  # the new request does not extend it: reset
+            return 0
+        keep = min(len(history), limit)
+        self.allocator.free(session.cells[keep:])
+        request.cells = CellTable(session.cells[:keep])
+        return keep
+
+    def _unadmit(self, request: Request) -> None:
+        self._running.remove(request.id)
+        self._waiting.appendleft(request.id)
+        request.status = RequestStatus.WAITING
+
+    def _allocate(self, request: Request, count: int, scheduled: dict[int, ScheduledChunk]) -> bool:
+        """Give `request` `count` new cells, freeing others' cells if needed; False if impossible."""
+        while not self.allocator.can_allocate(count):
+            if self.prefix_cache.evict_oldest() or self.sessions.evict_oldest():
+                continue
+            victim = next((r for r in reversed(self._running) if r != request.id and r not in scheduled), None)
+            if victim is None:
+                return False
+            self._preempt(self.requests[victim])
+        request.cells.append(self.allocator.allocate(count))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's cells; it is recomputed (prompt and generated tokens) later."""
+        self.allocator.free(request.cells.truncate(0))
+        request.num_computed = 0
+        self._running.remove(request.id)
+        self._waiting.appendleft(request.id)
+        request.status = RequestStatus.WAITING
+
+    # -- execution interface ---------------------------------------------------------------------------
+
+    def executor_chunks(self, plan: StepPlan) -> list[Chunk]:
+        chunks = []
+        for c in plan.chunks:
+            request = self.requests[c.request_id]
+            tokens = tuple(request.tokens[c.start:c.start + c.num_tokens])
+            sampling = request.spec.sampling if c.samples else None
+            chunks.append(Chunk(request.cells.cells, tokens, c.start, sampling, c.uniform))
+        return chunks
+
+    def commit(self, plan: StepPlan, tokens: tuple[int | None, ...]) -> list[TokenEvent]:
+        """Apply a step's sampled tokens; finishes requests that hit a stop token or a length limit."""
+        events = []
+        for chunk, token in zip(plan.chunks, tokens):
+            request = self.requests.get(chunk.request_id)
+            if request is None:
+                continue
+            prompt_part = max(0, min(request.num_prompt, chunk.start + chunk.num_tokens) - chunk.start)
+            request.stats.prefilled_tokens += prompt_part
+            request.num_computed += chunk.num_tokens
+            if token is None:
+                continue
+            request.tokens.append(token)
+            request.stats.completion_tokens += 1
+            reason = self._finish_reason(request, token)
+            events.append(TokenEvent(request.id, token, reason))
+            if reason is not None:
+                self.finish(request.id, reason)
+        return events
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        spec = request.spec
+        if token in spec.stop_token_ids:
+            return FinishReason.STOP
+        if request.stats.completion_tokens >= spec.max_new_tokens:
+            return FinishReason.LENGTH
+        if len(request.tokens) >= self.config.max_context:
+            return FinishReason.LENGTH
+        return None
+
+    def fail(self, plan: StepPlan, error: str) -> list[int]:
+        """A step failed: fail exactly the requests in it; returns their ids."""
+        failed = []
+        for chunk in plan.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is not None:
+                request.error = error
+                self.finish(request.id, FinishReason.ERROR)
+                failed.append(request.id)
+        return failed
+
+    def finish(self, request_id: int, reason: FinishReason) -> Request | None:
+        """End a request (any status); its cells go to its session, the prefix cache, or the free list."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self._waiting.remove(request_id)
+        elif request.status is RequestStatus.RUNNING:
+            self._running.remove(request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        cells = request.cells.truncate(0)
+        computed = request.tokens[: len(cells)]
+        is_clean = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if is_clean and len(cells):
+            self.prefix_cache.insert(computed[: request.num_prompt], cells)
+        if is_clean and request.spec.session_id is not None and len(cells):
+            self.sessions.put(request.spec.session_id, Session(computed, cells))
+        else:
+            self.allocator.free(cells)
+        return request
