@@ -117,6 +117,18 @@ def inspect_command(
     console.print(table)
 
 
+def _register_subcommands() -> None:
+    # Each module keeps heavy imports inside its command, so `pt2serve --help` stays quick.
+    from pt2serve.bench.command import bench_command
+    from pt2serve.serve.command import serve_artifact_command
+
+    app.command("serve-artifact")(serve_artifact_command)
+    app.command("bench")(bench_command)
+
+
+_register_subcommands()
+
+
 def main() -> None:
     app()
 

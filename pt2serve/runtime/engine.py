@@ -1,0 +1,30 @@
+"""One call from an artifact path to a running Runner: load, size the pool, capture graphs, start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pt2serve.runtime.artifact import load_artifact
+from pt2serve.runtime.executor import Executor, ExecutorConfig
+from pt2serve.runtime.runner import Runner, RunnerConfig
+from pt2serve.tokenizer import Tokenizer, TokenizerFiles
+
+
+def artifact_tokenizer(tokenizer_json: str | None, tokenizer_meta: dict | None) -> Tokenizer | None:
+    if tokenizer_json is None or tokenizer_meta is None:
+        return None
+    return Tokenizer(TokenizerFiles.from_dict(tokenizer_json, tokenizer_meta))
+
+
+def open_runner(
+    path: str | Path,
+    device: str | None = None,
+    executor_config: ExecutorConfig = ExecutorConfig(),
+    runner_config: RunnerConfig = RunnerConfig(),
+    show_progress: bool = False,
+) -> Runner:
+    """Load `path` onto `device` (default: what it was built for) and start its engine thread."""
+    artifact = load_artifact(path, device=device, show_progress=show_progress)
+    executor = Executor(artifact, executor_config)
+    tokenizer = artifact_tokenizer(artifact.tokenizer_json, artifact.metadata.raw.get("tokenizer"))
+    return Runner(executor, tokenizer, runner_config)
