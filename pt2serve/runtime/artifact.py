@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._inductor.package  # noqa: F401  (registers torch._C._aoti bindings' Python side)
+from torch._inductor.package.package import AOTICompiledModel
 from tqdm import tqdm
 
 from pt2serve.contract import (
@@ -308,5 +308,7 @@ def _bind_weights(runner, method: str, weights: dict[str, torch.Tensor], path: P
     if missing:
         raise Pt2ServeError(f"{path}: method {method} needs weights the package lacks: {', '.join(missing[:5])}")
     if needed:
-        # Arguments: constants, use_inactive, check_full_update, user_managed, (allow_h2d_copy on newer torch).
-        runner.load_constants({name: weights[name] for name in needed}, False, True, True)
+        # user_managed: the method keeps pointers to our tensors, so every method shares one copy.
+        AOTICompiledModel(runner).load_constants(
+            {name: weights[name] for name in needed}, check_full_update=True, user_managed=True
+        )
