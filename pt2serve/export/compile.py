@@ -51,6 +51,14 @@ def _worker_model(checkpoint: str | None, preset: str | None, dtype: torch.dtype
 
 def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[str, list]:
     """Trace and compile one method; returns (method name, AOTInductor files)."""
+    try:
+        return _compile_method(job, model)
+    except Exception as err:
+        # Compiler exceptions do not always survive pickling back from a worker: send their text.
+        raise RuntimeError(f"compiling {job.spec.name} failed: {type(err).__name__}: {err}") from None
+
+
+def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, list]:
     if model is None:
         model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device)
     if job.spec.name.startswith("forward"):
