@@ -1,6 +1,159 @@
-"""`pt2serve bench` (being written)."""
+"""`pt2serve bench`: the command line over sweep.py and requests_mode.py (heavy imports stay inside)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+_HELP = """Benchmark an artifact: throughput per step width (sweep) or latency under load (requests).
+
+--mode sweep: for each T in --tokens the runner's token budget is T and every steady step is exactly T tokens wide: T decoding requests when T fits a static forward size, else --decode-cap decodes plus a backlog of prompts of --prefill-chunk tokens. Each row is the median over --iters steady steps after --warmup:
+
+- exec ms: time of executor.step (the compiled calls, ending with the sampled tokens on the host)
+- step ms: start-to-start interval of consecutive steps (adds the runner's own per-step work)
+- tok/s = T / step interval
+- limit = max(bytes / measured memory bandwidth, FLOPs / measured matmul throughput); bytes = weights + KV cells (each sequence's context read once, new cells written); FLOPs = 2 x matmul params x T + attention
+- % of limit = limit / step interval. Rows whose steps were not T wide are flagged, not hidden.
+
+--mode requests: --requests prompts of --prompt-tokens random token ids, --max-new-tokens each (in-process with ignore_eos), arriving every --stagger-ms or as a seeded Poisson process at --request-rate. --url drives a running server's OpenAI API (POST /v1/completions, stream=true) instead.
+
+- TTFT = first token time - submit time
+- TPOT = (end - first token time) / (n - 1), n = output tokens (n >= 2)
+- E2E = end - submit time (end: the last token's arrival)
+- output tok/s = all output tokens / (last end - first submit); p50/p90/p99 of each latency
+
+--json writes every number with the machine, versions, artifact metadata and flags; --plot writes a PNG.
+"""
 
 
-def bench_command() -> None:
-    """Benchmark an artifact."""
-    raise SystemExit("bench is not available yet")
+def bench_command(
+    artifact: Optional[Path] = typer.Argument(None, help="A .pt2 written by pt2serve export (optional with --url)."),
+    mode: str = typer.Option("sweep", help="sweep or requests."),
+    tokens: Optional[str] = typer.Option(
+        None, help="sweep: step widths T, comma-separated (default: 1,2,4,... up to min(4096, max_step_tokens))."
+    ),
+    warmup: int = typer.Option(3, help="sweep: steady steps skipped before measuring."),
+    iters: int = typer.Option(10, help="sweep: steady steps measured (median reported)."),
+    decode_cap: int = typer.Option(32, help="sweep: decoding requests in rows wider than the widest static size."),
+    prefill_chunk: Optional[int] = typer.Option(
+        None, help="sweep: backlog prompt length in those rows (default: min(256, max_context - 1))."
+    ),
+    prompt_tokens: Optional[int] = typer.Option(
+        None, help="Prompt length: sweep's decoding requests (default 8); requests mode (default 128)."
+    ),
+    requests: int = typer.Option(32, help="requests: how many."),
+    max_new_tokens: int = typer.Option(64, help="requests: output tokens per request."),
+    stagger_ms: Optional[float] = typer.Option(None, help="requests: fixed gap between arrivals (default 0)."),
+    request_rate: Optional[float] = typer.Option(None, help="requests: Poisson arrivals at this rate (req/s)."),
+    seed: int = typer.Option(0, help="Seed for prompts and arrivals."),
+    token_budget: Optional[int] = typer.Option(None, help="requests, in-process: runner tokens per step."),
+    url: Optional[str] = typer.Option(None, help="requests: drive the server at this URL instead (e.g. http://127.0.0.1:8000)."),
+    model: Optional[str] = typer.Option(None, help="requests with --url: model name (default: the server's first)."),
+    device: Optional[str] = typer.Option(None, help="Load onto this device (default: what the artifact was built for)."),
+    num_cells: Optional[int] = typer.Option(None, help="KV pool size in cells (default: the executor's)."),
+    timeout: float = typer.Option(600.0, help="Seconds a sweep row, or the whole requests run, may take."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every number to this JSON file."),
+    plot: Optional[Path] = typer.Option(None, help="Write a PNG plot here (needs matplotlib)."),
+) -> None:
+    from pt2serve.cli import fail
+    from pt2serve.errors import Pt2ServeError
+
+    try:
+        _run(**locals_without(locals(), "fail", "Pt2ServeError"))
+    except Pt2ServeError as err:
+        fail(str(err))
+
+
+bench_command.__doc__ = _HELP
+
+
+def locals_without(values: dict, *names: str) -> dict:
+    return {k: v for k, v in values.items() if k not in names}
+
+
+def _run(
+    artifact, mode, tokens, warmup, iters, decode_cap, prefill_chunk, prompt_tokens, requests, max_new_tokens,
+    stagger_ms, request_rate, seed, token_budget, url, model, device, num_cells, timeout, json_path, plot,
+) -> None:
+    from rich.console import Console
+
+    from pt2serve.bench.options import MODES, RequestsOptions, SweepOptions, parse_tokens
+    from pt2serve.bench.progress import StatusLine
+    from pt2serve.errors import Pt2ServeError
+    from pt2serve.runtime.artifact import read_metadata
+    from pt2serve.runtime.executor import ExecutorConfig
+
+    flags = {
+        "artifact": artifact, "mode": mode, "tokens": tokens, "warmup": warmup, "iters": iters,
+        "decode_cap": decode_cap, "prefill_chunk": prefill_chunk, "prompt_tokens": prompt_tokens,
+        "requests": requests, "max_new_tokens": max_new_tokens, "stagger_ms": stagger_ms,
+        "request_rate": request_rate, "seed": seed, "token_budget": token_budget, "url": url, "model": model,
+        "device": device, "num_cells": num_cells, "timeout": timeout, "json": json_path, "plot": plot,
+    }
+    if mode not in MODES:
+        raise Pt2ServeError(f"unknown --mode {mode!r}: choose {' or '.join(MODES)}")
+    wrong_mode = {
+        "sweep": {"--stagger-ms": stagger_ms, "--request-rate": request_rate, "--url": url, "--model": model,
+                  "--token-budget": token_budget},
+        "requests": {"--tokens": tokens, "--prefill-chunk": prefill_chunk},
+    }[mode]
+    given = [name for name, value in wrong_mode.items() if value is not None]
+    if given:
+        other = "requests" if mode == "sweep" else "sweep"
+        raise Pt2ServeError(f"{', '.join(given)} only apply to --mode {other}")
+    if stagger_ms is not None and request_rate is not None:
+        raise Pt2ServeError("give --stagger-ms or --request-rate, not both")
+    if artifact is None and url is None:
+        raise Pt2ServeError("give the artifact to benchmark (PATH.pt2), or --url with --mode requests")
+    raw = read_metadata(artifact).raw if artifact is not None else None  # a missing or bad artifact fails here
+    if num_cells is not None and num_cells < 2:
+        raise Pt2ServeError(f"--num-cells must be at least 2, got {num_cells}")
+    executor_config = ExecutorConfig(num_cells=num_cells)
+    if plot is not None:
+        from pt2serve.bench.report import check_plot_support
+
+        check_plot_support()
+    from pt2serve.bench import report
+
+    console = Console()
+    name = artifact.name if artifact is not None else url
+    if mode == "sweep":
+        from pt2serve.bench.sweep import run_sweep
+
+        options = SweepOptions(
+            tokens=parse_tokens(tokens) if tokens is not None else None, warmup=warmup, iters=iters,
+            decode_cap=decode_cap, prefill_chunk=prefill_chunk,
+            prompt_tokens=prompt_tokens if prompt_tokens is not None else SweepOptions.prompt_tokens,
+            seed=seed, row_timeout=timeout,
+        )
+        with StatusLine() as status:
+            result = run_sweep(artifact, options, device=device, executor_config=executor_config, progress=status)
+        title = f"pt2serve bench sweep: {name} on {result.device}"
+        console.print(report.sweep_table(result, title))
+        document = report.sweep_document(result, str(artifact), raw, flags)
+        if plot is not None:
+            report.plot_sweep(result, plot, title)
+    else:
+        from pt2serve.bench.requests_mode import run_requests
+
+        options = RequestsOptions(
+            requests=requests,
+            prompt_tokens=prompt_tokens if prompt_tokens is not None else RequestsOptions.prompt_tokens,
+            max_new_tokens=max_new_tokens, stagger_ms=stagger_ms or 0.0, request_rate=request_rate, seed=seed,
+            token_budget=token_budget, url=url, model=model, timeout=timeout,
+        )
+        with StatusLine() as status:
+            result = run_requests(artifact, options, device=device, executor_config=executor_config,
+                                  progress=status)
+        title = f"pt2serve bench requests: {name}" + (f" on {result.device}" if result.device else "")
+        console.print(report.requests_table(result, title))
+        document = report.requests_document(result, str(artifact) if artifact else None, raw, flags)
+        if plot is not None:
+            report.plot_requests(result, plot, title)
+    if json_path is not None:
+        report.write_json(document, json_path)
+        console.print(f"wrote {json_path}")
+    if plot is not None:
+        console.print(f"wrote {plot}")

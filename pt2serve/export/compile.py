@@ -8,6 +8,7 @@ and compiles the methods it is handed. Weights are left out of every compiled me
 from __future__ import annotations
 
 import functools
+import os
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -41,6 +42,11 @@ def inductor_options() -> dict:
         # Dynamic dims are traced with min 2; the runtime may run smaller sizes, which the code handles.
         "aot_inductor.check_lowerbound": False,
     }
+
+
+def _init_worker(threads_per_worker: int) -> None:
+    # Each worker runs its own pool of kernel compilers: share the cores instead of oversubscribing them.
+    torch._inductor.config.compile_threads = threads_per_worker
 
 
 @functools.cache
@@ -78,7 +84,9 @@ def compile_all(jobs: list[CompileJob], num_workers: int, model: Transformer) ->
         return
     # spawn, not fork: CUDA cannot be used in a forked child.
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(num_workers, len(jobs)), mp_context=context) as pool:
+    num_workers = min(num_workers, len(jobs))
+    threads = max(1, (os.cpu_count() or 1) // num_workers)
+    with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_init_worker, initargs=(threads,)) as pool:
         futures = [pool.submit(compile_method, job) for job in jobs]
         for future in as_completed(futures):
             yield future.result()

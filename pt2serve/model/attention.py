@@ -19,7 +19,6 @@ capacity. A kernel that reads the same description and loops only over visible c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def visibility_mask(
@@ -43,12 +42,21 @@ def cell_attention(
     seq_cells: torch.Tensor,  # [E]
     mask: torch.Tensor,  # [T, E] from visibility_mask
 ) -> torch.Tensor:  # [T, H, D]
-    """Attention of each token over the cells its mask allows."""
-    num_heads, num_kv_heads = q.shape[1], k_pool.shape[1]
+    """Attention of each token over the cells its mask allows.
+
+    Written as explicit matmuls rather than scaled_dot_product_attention: SDPA's GPU kernels pad the
+    mask's last dim, which puts guards on the dynamic entry count that torch.export cannot discharge.
+    Query heads sharing a KV head are stacked, so K/V are gathered once per KV head (no repeat).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_heads // num_kv_heads
     k = k_pool.index_select(0, seq_cells).transpose(0, 1)  # [KVH, E, D]
     v = v_pool.index_select(0, seq_cells).transpose(0, 1)
-    if num_kv_heads != num_heads:
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask[None])  # [H, T, D]
-    return out.transpose(0, 1)
+    q = q.view(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, T, D]
+    q = q.reshape(num_kv_heads, group * num_tokens, head_dim)
+    scores = torch.matmul(q, k.transpose(1, 2)) * (head_dim**-0.5)  # [KVH, G*T, E]
+    scores = scores.view(num_kv_heads, group, num_tokens, -1).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs.view(num_kv_heads, group * num_tokens, -1), v)  # [KVH, G*T, D]
+    return out.view(num_kv_heads, group, num_tokens, head_dim).permute(2, 0, 1, 3).reshape(num_tokens, num_heads, head_dim)

@@ -1,6 +1,73 @@
-"""`pt2serve serve-artifact` (being written)."""
+"""`pt2serve serve-artifact`: serve an artifact over an OpenAI-compatible HTTP API with uvicorn.
+
+The server listens at once and loads the model on a background thread: /health answers 503 until the
+model is loaded (and its graphs captured), then 200; the ready line is printed at that moment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+DEVICES = ("cuda", "cpu")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
-def serve_artifact_command() -> None:
-    """Serve an artifact over an OpenAI-compatible HTTP API."""
-    raise SystemExit("serve-artifact is not available yet")
+def serve_artifact_command(
+    artifact: Path = typer.Argument(..., help="A .pt2 written by pt2serve export."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 to listen on every interface)."),
+    port: int = typer.Option(8000, help="Port to bind."),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: what the artifact was built for)."),
+    max_sessions: int = typer.Option(64, help="Sessions (X-Session-ID) whose KV cells are kept between requests."),
+    max_queued: int = typer.Option(256, help="Requests running or queued before new ones are answered with 429."),
+    prefix_cache_entries: int = typer.Option(0, help="Prompt prefixes kept for reuse across requests (0: off)."),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="Run the static steps without CUDA graphs."),
+    api_key: Optional[str] = typer.Option(None, envvar="PT2SERVE_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
+    model_name: Optional[str] = typer.Option(None, help="The model id clients send (default: the file's stem)."),
+    log_level: str = typer.Option("warning", help="uvicorn's log level (info shows each request)."),
+) -> None:
+    """Serve an artifact over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
+    from pt2serve.cli import fail
+    from pt2serve.errors import Pt2ServeError
+
+    if device is not None and device not in DEVICES:
+        fail(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if log_level not in LOG_LEVELS:
+        fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    if not 0 <= port <= 65535:
+        fail(f"--port must be in [0, 65535], got {port}")
+    if max_sessions < 0 or prefix_cache_entries < 0:
+        fail("--max-sessions and --prefix-cache-entries must not be negative")
+    if not artifact.is_file():
+        fail(f"{artifact} does not exist or is not a file")
+
+    import uvicorn
+
+    from pt2serve.runtime.engine import open_runner
+    from pt2serve.runtime.executor import ExecutorConfig
+    from pt2serve.runtime.runner import RunnerConfig
+    from pt2serve.serve.app import create_app
+    from pt2serve.serve.config import ServerConfig
+    from pt2serve.serve.loader import BackgroundLoader
+
+    try:
+        config = ServerConfig(model_name=model_name or artifact.stem, api_key=api_key, max_queued=max_queued)
+        executor_config = ExecutorConfig(use_cuda_graphs=not no_cuda_graphs)
+        runner_config = RunnerConfig(prefix_cache_entries=prefix_cache_entries, max_sessions=max_sessions)
+    except Pt2ServeError as err:
+        fail(str(err))
+
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5, server_header=False))
+    loader = BackgroundLoader(app, server, lambda: open_runner(artifact, device, executor_config, runner_config),
+                              ready_message=lambda url: f"serving {config.model_name} at {url}/v1 (ready)")
+    loader.start()
+    server.run()
+    if loader.error is not None:
+        fail(loader.error)
+    if not server.started:
+        raise typer.Exit(code=1)  # uvicorn could not bind; it has said why
