@@ -46,7 +46,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     aoti_files: dict[str, list] = {}
     progress = tqdm(total=len(jobs), desc="compiling methods", unit="method", disable=not show_progress)
     with progress:
-        for name, files in compile_all(jobs, options.num_jobs, model):
+        for name, files in compile_all(jobs, options.num_jobs(weight_bytes(model)), model):
             aoti_files[internal[name]] = files
             progress.set_postfix_str(name)
             progress.update()
@@ -56,9 +56,13 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     return ExportSummary(
         methods=tuple(spec.name for spec in specs),
         package_bytes=options.output.stat().st_size,
-        weight_bytes=sum(t.numel() * t.element_size() for t in weights.values()),
+        weight_bytes=weight_bytes(model),
         seconds=time.perf_counter() - started,
     )
+
+
+def weight_bytes(model: Transformer) -> int:
+    return sum(t.numel() * t.element_size() for t in model_weights(model).values())
 
 
 def model_weights(model: Transformer) -> dict[str, torch.Tensor]:

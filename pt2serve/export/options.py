@@ -48,16 +48,24 @@ class ExportOptions:
     def device(self) -> str:
         return f"cuda:{self.device_index}" if self.backend == "cuda" else "cpu"
 
-    @property
-    def num_jobs(self) -> int:
+    def num_jobs(self, weight_bytes: int) -> int:
+        """Compile workers: as asked, else half the cores (at most 8), as many as the GPU holds models."""
         if self.jobs is not None:
             return self.jobs
-        # Each worker holds the model and runs a compiler; leave a core for the rest of the machine.
-        return max(1, min(8, (os.cpu_count() or 2) // 2))
+        jobs = max(1, min(8, (os.cpu_count() or 2) // 2))
+        if self.backend == "cuda":
+            # Each worker holds its own copy of the weights on the GPU, plus room to autotune.
+            free_bytes, _total = torch.cuda.mem_get_info(self.device_index)
+            jobs = min(jobs, max(1, int(free_bytes // (2 * weight_bytes))))
+        return jobs
 
     def entries_for(self, width: int, max_context: int) -> int:
-        """Entry capacity of the static method of this width: its fixed seq_cells length."""
-        return min(width * max_context, max(max_context, self.graph_entries))
+        """Entry capacity of the static method of this width: its fixed seq_cells length.
+
+        The plain attention path gathers every entry, so this bounds a graphed step's cost; steps that
+        see more context run on forward_others instead.
+        """
+        return min(width * max_context, self.graph_entries)
 
     def validate(self) -> None:
         """Every check that needs no model: bad flags fail here, before compile work starts."""
@@ -79,6 +87,8 @@ class ExportOptions:
             )
         if self.jobs is not None and self.jobs < 1:
             raise Pt2ServeError(f"--jobs must be at least 1, got {self.jobs}")
+        if self.graph_entries < 1:
+            raise Pt2ServeError(f"--graph-entries must be at least 1, got {self.graph_entries}")
         if self.min_prefill_chunk < 1:
             raise Pt2ServeError(f"--min-prefill-chunk must be at least 1, got {self.min_prefill_chunk}")
         if self.backend == "cuda":

@@ -63,6 +63,9 @@ def write_package(
             writer.write_string(_EXTRA_DIR + METADATA_RECORD, json.dumps(metadata, indent=1))
             if tokenizer_json is not None:
                 writer.write_string(_EXTRA_DIR + TOKENIZER_RECORD, tokenizer_json)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_name, 0o666 & ~umask)  # mkstemp made it private; give it a normal file's mode
         os.replace(tmp_name, output)
     finally:
         if os.path.exists(tmp_name):

@@ -34,7 +34,7 @@ def run_widths(executor: Executor, seed: int) -> tuple[list, list, float]:
         remaining = width
         while remaining:
             length = int(min(remaining, rng.integers(1, 12)))
-            prompt = [int(t) for t in rng.integers(0, 256, 2)]
+            prompt = [int(rng.integers(0, 256))]
             truth = prompt + toy_greedy_continuation(prompt, 200)
             start = int(rng.integers(0, 40))
             cells = executor.allocator.allocate(start + length)

@@ -1,0 +1,115 @@
+"""What a benchmark run is asked to do, and the checks that turn bad flags into clear errors.
+
+Both option sets are plain dataclasses so the benchmarks run the same from the CLI and from Python.
+Every check raises Pt2ServeError with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pt2serve.errors import Pt2ServeError
+
+MODES = ("sweep", "requests")
+MAX_DEFAULT_TOKENS = 4096
+DEFAULT_BACKLOG_PROMPT = 256
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """--mode sweep: one row per step width T (the runner's token budget)."""
+
+    tokens: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to min(4096, the artifact's max_step_tokens)
+    warmup: int = 3  # steady steps skipped before measuring
+    iters: int = 10  # steady steps measured (the median is reported)
+    decode_cap: int = 32  # decoding sequences in rows wider than the widest static forward size
+    prefill_chunk: int | None = None  # backlog prompt length in wide rows; None: min(256, max_context - 1)
+    prompt_tokens: int = 8  # prompt length of the decoding requests
+    seed: int = 0
+    row_timeout: float = 600.0  # seconds one row may take before it is stopped and flagged
+
+    def check(self) -> None:
+        if self.tokens is not None:
+            if not self.tokens or any(not isinstance(t, int) or t < 1 for t in self.tokens):
+                raise Pt2ServeError(f"--tokens must be positive integers, got {list(self.tokens)}")
+        if self.warmup < 0:
+            raise Pt2ServeError(f"--warmup must be at least 0, got {self.warmup}")
+        if self.iters < 1:
+            raise Pt2ServeError(f"--iters must be at least 1, got {self.iters}")
+        if self.decode_cap < 1:
+            raise Pt2ServeError(f"--decode-cap must be at least 1, got {self.decode_cap}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise Pt2ServeError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        if self.prompt_tokens < 1:
+            raise Pt2ServeError(f"--prompt-tokens must be at least 1, got {self.prompt_tokens}")
+        if self.row_timeout <= 0:
+            raise Pt2ServeError(f"--timeout must be positive, got {self.row_timeout}")
+
+
+@dataclass(frozen=True)
+class RequestsOptions:
+    """--mode requests: N requests arriving on a fixed stagger or as a Poisson process."""
+
+    requests: int = 32
+    prompt_tokens: int = 128
+    max_new_tokens: int = 64
+    stagger_ms: float = 0.0  # fixed gap between arrivals
+    request_rate: float | None = None  # requests/s, Poisson arrivals (exponential gaps drawn with `seed`)
+    seed: int = 0
+    token_budget: int | None = None  # in-process runner's tokens per step (None: its default)
+    url: str | None = None  # drive a running server instead of an in-process runner
+    model: str | None = None  # model name sent to the server (None: the first of GET /v1/models)
+    timeout: float = 600.0  # seconds the whole run may take
+    warmup_request: bool = True  # one short untimed request first
+
+    def check(self) -> None:
+        if self.requests < 1:
+            raise Pt2ServeError(f"--requests must be at least 1, got {self.requests}")
+        if self.prompt_tokens < 1:
+            raise Pt2ServeError(f"--prompt-tokens must be at least 1, got {self.prompt_tokens}")
+        if self.max_new_tokens < 1:
+            raise Pt2ServeError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.stagger_ms < 0 or not math.isfinite(self.stagger_ms):
+            raise Pt2ServeError(f"--stagger-ms must be a finite number >= 0, got {self.stagger_ms}")
+        if self.request_rate is not None and not (self.request_rate > 0 and math.isfinite(self.request_rate)):
+            raise Pt2ServeError(f"--request-rate must be a positive number of requests/s, got {self.request_rate}")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise Pt2ServeError(f"--token-budget must be at least 1, got {self.token_budget}")
+        if self.timeout <= 0:
+            raise Pt2ServeError(f"--timeout must be positive, got {self.timeout}")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise Pt2ServeError(f"--url must start with http:// or https://, got {self.url!r}")
+
+
+def parse_tokens(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4); anything but positive integers is an error."""
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise Pt2ServeError("--tokens is empty: give comma-separated positive integers, e.g. 1,2,4,8")
+    values = []
+    for part in parts:
+        if not part:
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise Pt2ServeError(f"--tokens must be comma-separated positive integers, got {part!r} in {text!r}") from None
+        if value < 1:
+            raise Pt2ServeError(f"--tokens must be positive integers, got {value}")
+        values.append(value)
+    return tuple(values)
+
+
+def resolve_tokens(tokens: tuple[int, ...] | None, max_step_tokens: int) -> tuple[int, ...]:
+    """The step widths to measure: the given ones (each within the artifact) or the default powers of two."""
+    if tokens is None:
+        limit = min(MAX_DEFAULT_TOKENS, max_step_tokens)
+        return tuple(2 ** i for i in range(limit.bit_length()) if 2 ** i <= limit)
+    too_wide = [t for t in tokens if t > max_step_tokens]
+    if too_wide:
+        raise Pt2ServeError(
+            f"--tokens {too_wide} exceed the artifact's max_step_tokens ({max_step_tokens}); one step of the "
+            "runner is at most that wide (re-export with a larger --max-step-tokens to measure wider steps)"
+        )
+    return tuple(dict.fromkeys(tokens))  # keep order, drop repeats

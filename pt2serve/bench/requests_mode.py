@@ -1,0 +1,213 @@
+"""--mode requests: N requests arriving over time; aggregate throughput and per-request latency.
+
+Arrivals: request i is submitted at i x stagger, or (with a request rate R) at the times of a Poisson
+process: exponential gaps of mean 1/R drawn from a seeded generator, the first at 0.
+
+Metrics (every time is taken on the client side, with perf_counter):
+  TTFT  = first token time - submit time
+  TPOT  = (end - first token time) / (n - 1), for requests with n >= 2 output tokens
+  E2E   = end - submit time            (end: when the request's last token arrived)
+  output tok/s = all output tokens / (last end - first submit)
+Each is reported as p50 / p90 / p99 (linear interpolation) with mean, min and max in the JSON.
+
+In-process, requests go straight to a Runner (ignore_eos, so each produces max_new_tokens tokens) and
+their tokens are timed in the runner's event callback. With a URL (see http_client.py) they go to a
+running server's OpenAI completions API instead. Either way one short untimed request runs first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from pt2serve.bench.options import RequestsOptions
+from pt2serve.bench.stats import summary
+from pt2serve.errors import Pt2ServeError
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class RequestTiming:
+    """One request; times are seconds from the start of the run."""
+
+    index: int
+    arrival: float  # scheduled submit time
+    prompt_tokens: int
+    submit: float | None = None
+    first_token: float | None = None
+    end: float | None = None
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None or self.submit is None else self.first_token - self.submit
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end is None or self.submit is None else self.end - self.submit
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first_token is None or self.end is None or self.output_tokens < 2:
+            return None
+        return (self.end - self.first_token) / (self.output_tokens - 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}
+
+
+@dataclass
+class RequestsResult:
+    target: str  # "in-process" or the server URL
+    options: RequestsOptions
+    requests: list[RequestTiming]
+    device: str | None = None
+    num_steps: int | None = None  # in-process: runner steps taken
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def arrival_times(options: RequestsOptions) -> list[float]:
+    if options.request_rate is not None:
+        rng = np.random.default_rng(options.seed)
+        gaps = rng.exponential(1.0 / options.request_rate, options.requests)
+        gaps[0] = 0.0
+        return np.cumsum(gaps).tolist()
+    return [i * options.stagger_ms / 1e3 for i in range(options.requests)]
+
+
+def make_prompts(options: RequestsOptions, vocab_size: int) -> list[list[int]]:
+    rng = np.random.default_rng(options.seed + 1)
+    return [rng.integers(0, vocab_size, options.prompt_tokens).tolist() for _ in range(options.requests)]
+
+
+def summarise(requests: list[RequestTiming]) -> dict[str, Any]:
+    done = [r for r in requests if r.error is None and r.end is not None]
+    submits = [r.submit for r in requests if r.submit is not None]
+    ends = [r.end for r in done]
+    tokens = sum(r.output_tokens for r in done)
+    duration = (max(ends) - min(submits)) if ends and submits else None
+    return {
+        "requests": len(requests),
+        "completed": len(done),
+        "failed": len(requests) - len(done),
+        "output_tokens": tokens,
+        "prompt_tokens": sum(r.prompt_tokens for r in done),
+        "duration_seconds": duration,
+        "output_tokens_per_second": tokens / duration if duration else None,
+        "requests_per_second": len(done) / duration if duration else None,
+        "ttft_seconds": summary(r.ttft for r in done),
+        "tpot_seconds": summary(r.tpot for r in done),
+        "e2e_seconds": summary(r.e2e for r in done),
+    }
+
+
+def run_requests(
+    path: str | Path | None,
+    options: RequestsOptions = RequestsOptions(),
+    device: str | None = None,
+    executor_config=None,
+    progress: Progress | None = None,
+) -> RequestsResult:
+    """In-process on the artifact at `path`, or against `options.url` (then `path` is optional)."""
+    from pt2serve.runtime.artifact import read_metadata
+
+    options.check()
+    meta = read_metadata(path).raw if path is not None else None
+    if meta is not None:
+        _check_lengths(options, meta["max_context"])
+    if options.url is not None:
+        from pt2serve.bench.http_client import drive_server
+
+        return drive_server(options, meta["vocab_size"] if meta else None, progress)
+    if path is None:
+        raise Pt2ServeError("give an artifact to run in-process, or --url to drive a running server")
+    from pt2serve.runtime.artifact import load_artifact
+    from pt2serve.runtime.engine import artifact_tokenizer
+    from pt2serve.runtime.executor import Executor, ExecutorConfig
+    from pt2serve.runtime.runner import Runner, RunnerConfig
+
+    if progress is not None:
+        progress(f"loading {path}")
+    artifact = load_artifact(path, device=device)
+    executor = Executor(artifact, executor_config or ExecutorConfig())
+    tokenizer = artifact_tokenizer(artifact.tokenizer_json, artifact.metadata.raw.get("tokenizer"))
+    runner = Runner(executor, tokenizer, RunnerConfig(token_budget=options.token_budget))
+    try:
+        return drive_runner(runner, options, progress)
+    finally:
+        runner.close()
+
+
+def _check_lengths(options: RequestsOptions, max_context: int) -> None:
+    total = options.prompt_tokens + options.max_new_tokens
+    if total > max_context:
+        raise Pt2ServeError(
+            f"--prompt-tokens {options.prompt_tokens} + --max-new-tokens {options.max_new_tokens} = {total} exceeds "
+            f"the artifact's max context ({max_context})"
+        )
+
+
+def drive_runner(runner, options: RequestsOptions, progress: Progress | None = None) -> RequestsResult:
+    """Run the requests on an open Runner (left open)."""
+    options.check()
+    _check_lengths(options, runner.max_context)
+    prompts = make_prompts(options, runner.vocab_size)
+    if options.warmup_request:
+        runner.generate(prompts[0][:8], max_new_tokens=2, ignore_eos=True)
+    steps_before = runner.scheduler.step
+    timings = [RequestTiming(i, t, options.prompt_tokens) for i, t in enumerate(arrival_times(options))]
+    finished = [threading.Event() for _ in timings]
+    origin = time.perf_counter()
+
+    def tracker(timing: RequestTiming, done: threading.Event):
+        def on_event(event) -> None:  # the engine thread
+            now = time.perf_counter() - origin
+            if event.token_id is not None:
+                timing.output_tokens += 1
+                if timing.first_token is None:
+                    timing.first_token = now
+            if event.finish_reason is not None:
+                timing.end = now
+                timing.finish_reason = event.finish_reason.value
+                timing.error = event.error
+                done.set()
+        return on_event
+
+    deadline = origin + options.timeout
+    for timing, prompt, done in zip(timings, prompts, finished):
+        while (wait := origin + timing.arrival - time.perf_counter()) > 0:
+            time.sleep(min(wait, 0.1))
+            _report(progress, timings, finished)
+        timing.submit = time.perf_counter() - origin
+        try:
+            runner.submit(prompt, max_new_tokens=options.max_new_tokens, ignore_eos=True,
+                          on_event=tracker(timing, done))
+        except Pt2ServeError as err:
+            timing.error = str(err)
+            done.set()
+    while not all(done.wait(0) for done in finished):
+        if time.perf_counter() > deadline:
+            raise Pt2ServeError(f"the requests did not finish within --timeout {options.timeout:.0f} s")
+        _report(progress, timings, finished)
+        time.sleep(0.1)
+    result = RequestsResult("in-process", options, timings, str(runner.executor.device),
+                            runner.scheduler.step - steps_before)
+    result.summary = summarise(timings)
+    return result
+
+
+def _report(progress: Progress | None, timings: list[RequestTiming], finished: list[threading.Event]) -> None:
+    if progress is None:
+        return
+    submitted = sum(t.submit is not None for t in timings)
+    done = sum(e.is_set() for e in finished)
+    tokens = sum(t.output_tokens for t in timings)
+    progress(f"requests: {submitted}/{len(timings)} submitted, {done} finished, {tokens} tokens out")

@@ -1,0 +1,136 @@
+"""The FastAPI app: an OpenAI-compatible API over one Runner.
+
+    create_app(config, runner)   ready at once
+    create_app(config)           /health answers 503 and the API 503 until attach_runner(app, runner)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pt2serve.runtime.runner import Runner
+from pt2serve.serve import completions
+from pt2serve.serve.config import ServerConfig
+from pt2serve.serve.errors import ApiError, error_body
+from pt2serve.serve.metrics import ServerMetrics
+from pt2serve.serve.openai_format import model_card, model_list
+
+log = logging.getLogger("pt2serve.serve")
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    runner: Runner | None = None
+    owns_runner: bool = False  # close the runner when the app shuts down
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(lambda: self.runner.stats if self.runner is not None else None)
+
+    def ready_runner(self) -> Runner:
+        if self.runner is None:
+            raise ApiError(503, "the model is still loading; retry shortly", code="model_loading",
+                           headers={"Retry-After": "1"})
+        return self.runner
+
+
+def create_app(config: ServerConfig, runner: Runner | None = None, owns_runner: bool = False) -> FastAPI:
+    state = ServerState(config, runner, owns_runner)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if state.runner is not None and state.owns_runner:
+            await asyncio.to_thread(state.runner.close)
+
+    app = FastAPI(title="pt2serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.pt2serve = state
+    _add_error_handlers(app, state)
+
+    async def require_api_key(request: Request) -> None:
+        key = config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or incorrect API key: send it as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.runner is None:
+            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ok"})
+
+    api = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/v1/models")
+    async def models() -> JSONResponse:
+        runner = state.ready_runner()
+        return JSONResponse(model_list(config.model_name, state.created, runner.max_context))
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        runner = state.ready_runner()
+        if model_id != config.model_name:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
+                           f"{config.model_name!r}", "model", "model_not_found")
+        return JSONResponse(model_card(config.model_name, state.created, runner.max_context))
+
+    @api.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await completions.handle(request, state.ready_runner(), config, state.metrics, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        return await completions.handle(request, state.ready_runner(), config, state.metrics, chat=True)
+
+    app.include_router(api)
+    return app
+
+
+def attach_runner(app: FastAPI, runner: Runner, owns_runner: bool = True) -> None:
+    """Make an app created without a runner ready (called from any thread once the model is loaded)."""
+    state: ServerState = app.state.pt2serve
+    state.owns_runner = owns_runner
+    state.runner = runner
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, err: ApiError) -> JSONResponse:
+        state.metrics.request_rejected(err.status)
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+        api = ApiError(err.status_code, str(err.detail), headers=dict(err.headers or {}))
+        return api.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
+        return ApiError(400, "the request is malformed").response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
+        log.error("unexpected error in %s %s", request.method, request.url.path, exc_info=err)
+        return JSONResponse(error_body("internal server error; see the server log", "server_error"),
+                            status_code=500)

@@ -1,0 +1,110 @@
+"""One request in flight, seen from the event loop: the runner's engine-thread events bridged into asyncio.
+
+The runner calls back on its engine thread; each event is handed to the loop with call_soon_threadsafe,
+where it is counted (timings, metrics) and queued for whoever streams or collects the response. Metrics
+are recorded here, not by the reader, so a request whose client went away is still accounted for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from pt2serve.runtime.request import FinishReason
+from pt2serve.runtime.runner import RequestHandle, Runner, StreamEvent
+from pt2serve.runtime.sampling import SamplingParams
+from pt2serve.serve.metrics import ServerMetrics
+from pt2serve.serve.openai_format import Usage
+
+log = logging.getLogger("pt2serve.serve")
+
+
+class Generation:
+    def __init__(self, runner: Runner, metrics: ServerMetrics, arrived: float) -> None:
+        self._runner = runner
+        self._metrics = metrics
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._arrived = arrived  # time.perf_counter() when the request came in
+        self._first_token_at: float | None = None
+        self._last_token_at: float | None = None
+        self._cancel_sent = False
+        self.handle: RequestHandle | None = None
+        self.token_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.done: asyncio.Future[None] = self._loop.create_future()
+
+    def start(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
+              session_id: str | None, ignore_eos: bool) -> None:
+        """Submit to the runner; raises Pt2ServeError for a request it refuses."""
+        self.handle = self._runner.submit(
+            prompt_ids, max_new_tokens=max_tokens, sampling=sampling, stop_strings=stop, session_id=session_id,
+            ignore_eos=ignore_eos, on_event=self._from_engine,
+        )
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def usage(self) -> Usage:
+        assert self.handle is not None
+        return Usage(len(self.handle.prompt_ids), len(self.token_ids), self.handle.stats.reused_tokens)
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """Events as they come, ending with the one that carries the finish reason."""
+        while True:
+            event = await self._queue.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def cancel(self) -> None:
+        """Stop the request if it still runs (its cells are freed by the engine before its next step)."""
+        if self.handle is not None and not self.finished and not self._cancel_sent:
+            self._cancel_sent = True
+            self._runner.cancel(self.handle)
+
+    # -- engine thread -> loop ---------------------------------------------------------------------------
+
+    def _from_engine(self, event: StreamEvent) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._on_event, event)
+        except RuntimeError:
+            pass  # the loop is closed: the server is gone and nobody waits for this request
+
+    def _on_event(self, event: StreamEvent) -> None:
+        now = time.perf_counter()
+        if event.token_id is not None:
+            self.token_ids.append(event.token_id)
+            if self._first_token_at is None:
+                self._first_token_at = now
+            self._last_token_at = now
+        self.text_parts.append(event.text)
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+            self.error = event.error
+            if event.error is not None:
+                log.error("request %s failed: %s", self.handle.id if self.handle else "?", event.error)
+            self._record()
+            if not self.done.done():
+                self.done.set_result(None)
+        self._queue.put_nowait(event)
+
+    def _record(self) -> None:
+        assert self.handle is not None and self.finish_reason is not None
+        ttft = tpot = None
+        if self._first_token_at is not None:
+            ttft = self._first_token_at - self._arrived
+            if len(self.token_ids) > 1:
+                tpot = (self._last_token_at - self._first_token_at) / (len(self.token_ids) - 1)
+        usage = self.usage()
+        self._metrics.request_finished(self.finish_reason.value, usage.prompt_tokens, usage.cached_tokens,
+                                       usage.completion_tokens, ttft, tpot)

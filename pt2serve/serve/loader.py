@@ -1,0 +1,64 @@
+"""Load the model on a background thread while uvicorn already answers /health with 503."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import uvicorn
+from fastapi import FastAPI
+
+from pt2serve.errors import Pt2ServeError
+from pt2serve.runtime.runner import Runner
+from pt2serve.serve.app import attach_runner
+
+log = logging.getLogger("pt2serve.serve")
+
+
+class BackgroundLoader:
+    def __init__(self, app: FastAPI, server: uvicorn.Server, load: Callable[[], Runner],
+                 ready_message: Callable[[str], str]) -> None:
+        self._app = app
+        self._server = server
+        self._load = load
+        self._ready_message = ready_message
+        self.error: str | None = None  # why loading failed (the server is then stopped)
+        self._thread = threading.Thread(target=self._run, name="pt2serve-load", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            runner = self._load()
+        except Pt2ServeError as err:
+            self._stop(str(err))
+            return
+        except Exception as err:  # anything else that stops loading: report it, stop the server
+            log.debug("loading failed", exc_info=err)
+            self._stop(f"loading the artifact failed: {type(err).__name__}: {err}")
+            return
+        if self._server.should_exit:  # stopped while loading
+            runner.close()
+            return
+        attach_runner(self._app, runner, owns_runner=True)
+        while not self._server.started and not self._server.should_exit:
+            time.sleep(0.02)
+        if self._server.started:
+            print(self._ready_message(self._url()), flush=True)
+
+    def _stop(self, message: str) -> None:
+        self.error = message
+        self._server.should_exit = True
+
+    def _url(self) -> str:
+        host, port = self._server.config.host, self._server.config.port
+        for listener in getattr(self._server, "servers", []):
+            for sock in listener.sockets:
+                port = sock.getsockname()[1]  # the real port when asked for port 0
+                break
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{port}"

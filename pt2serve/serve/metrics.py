@@ -1,0 +1,75 @@
+"""Prometheus metrics on a private registry: request counters and latency histograms, updated as requests
+finish, and runner gauges read from `runner.stats` when /metrics is scraped."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pt2serve.runtime.runner import RunnerStats
+
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], RunnerStats | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter("pt2serve_requests", "Requests that ended, by finish reason.", ["finish_reason"],
+                                registry=r)
+        self.rejected = Counter("pt2serve_requests_rejected", "Requests answered with an error status before "
+                                "running, by status code.", ["status"], registry=r)
+        self.prompt_tokens = Counter("pt2serve_prompt_tokens", "Prompt tokens of ended requests.", registry=r)
+        self.cached_tokens = Counter("pt2serve_cached_prompt_tokens", "Prompt tokens whose KV was reused from a "
+                                     "session or the prefix cache.", registry=r)
+        self.completion_tokens = Counter("pt2serve_completion_tokens", "Generated tokens.", registry=r)
+        self.ttft = Histogram("pt2serve_time_to_first_token_seconds", "From receiving a request to its first "
+                              "token.", buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("pt2serve_time_per_output_token_seconds", "Mean time between a request's tokens "
+                              "after the first.", buckets=TPOT_BUCKETS, registry=r)
+        r.register(_RunnerCollector(stats))
+
+    def request_finished(self, finish_reason: str, prompt_tokens: int, cached_tokens: int,
+                         completion_tokens: int, ttft: float | None, tpot: float | None) -> None:
+        self.requests.labels(finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+
+    def request_rejected(self, status: int) -> None:
+        self.rejected.labels(str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RunnerCollector(Collector):
+    """The runner's current state, read at scrape time (zeros while the model loads)."""
+
+    _GAUGES = (
+        ("pt2serve_requests_waiting", "Requests queued for their first step (or preempted).", "num_waiting"),
+        ("pt2serve_requests_running", "Sequences holding KV cells.", "num_running"),
+        ("pt2serve_kv_cells_used", "KV cells in use (requests, sessions, prefix cache).", "cells_used"),
+        ("pt2serve_kv_cells_free", "KV cells free.", "cells_free"),
+        ("pt2serve_prefix_cache_hit_rate", "Share of prefix-cache lookups that hit.", "prefix_cache_hit_rate"),
+    )
+
+    def __init__(self, stats: Callable[[], RunnerStats | None]) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        for name, help_text, _ in self._GAUGES:
+            yield GaugeMetricFamily(name, help_text)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self._stats() or RunnerStats()
+        for name, help_text, attribute in self._GAUGES:
+            yield GaugeMetricFamily(name, help_text, value=float(getattr(stats, attribute)))

@@ -1,0 +1,112 @@
+"""Response bodies and stream chunks in OpenAI's formats, for /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pt2serve.runtime.request import FinishReason
+
+# Only clean endings reach a client as a finish_reason; cancelled and failed requests answer with an error.
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from a session or the prefix cache
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass
+class _Format:
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _envelope(self, object_: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+
+@dataclass
+class CompletionFormat(_Format):
+    """Legacy completions: `text` in each choice, the same object name for bodies and chunks."""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"cmpl-{uuid.uuid4().hex}"
+
+    def body(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int] | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids  # extension: sent when the prompt was token ids
+        return self._envelope("text_completion", [choice], usage=usage.body())
+
+    def chunk(self, text: str, first: bool, with_usage: bool) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+        return self._envelope("text_completion", [choice], **_null_usage(with_usage))
+
+    def finish_chunk(self, finish_reason: str, with_usage: bool) -> dict[str, Any]:
+        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice], **_null_usage(with_usage))
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return self._envelope("text_completion", [], usage=usage.body())
+
+
+@dataclass
+class ChatFormat(_Format):
+    """Chat completions: a `message` in the body, `delta`s in chunks (the first carries the role)."""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"chatcmpl-{uuid.uuid4().hex}"
+
+    def body(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int] | None) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        return self._envelope("chat.completion", [choice], usage=usage.body())
+
+    def chunk(self, text: str, first: bool, with_usage: bool) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice], **_null_usage(with_usage))
+
+    def finish_chunk(self, finish_reason: str, with_usage: bool) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("chat.completion.chunk", [choice], **_null_usage(with_usage))
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk", [], usage=usage.body())
+
+
+def _null_usage(with_usage: bool) -> dict[str, Any]:
+    # With stream_options.include_usage every chunk carries "usage": null but the last, as OpenAI does.
+    return {"usage": None} if with_usage else {}
+
+
+def model_list(model: str, created: int, max_context: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(model, created, max_context)]}
+
+
+def model_card(model: str, created: int, max_context: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "pt2serve", "max_model_len": max_context}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")

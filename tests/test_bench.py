@@ -1,0 +1,402 @@
+"""`pt2serve bench` on the tiny artifact (CPU): sweeps, request runs, the JSON/PNG reports, the URL client
+(against the real server and a minimal stand-in on 127.0.0.1), and clear errors for bad flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from pt2serve.bench import RequestsOptions, SweepOptions, drive_runner, run_requests, sweep_executor
+from pt2serve.bench.options import parse_tokens, resolve_tokens
+from pt2serve.bench.requests_mode import RequestTiming, arrival_times, summarise
+from pt2serve.bench.roofline import MachineLimits, ModelCost
+from pt2serve.bench.sweep import RowPlan, _analyse, plan_row
+from pt2serve.bench.timing import StepShape, StepTiming
+from pt2serve.cli import app
+from pt2serve.errors import Pt2ServeError
+from pt2serve.runtime.artifact import load_artifact, read_metadata
+from pt2serve.runtime.engine import artifact_tokenizer
+from pt2serve.runtime.executor import Executor
+from pt2serve.runtime.runner import Runner, RunnerConfig, StepRecord
+from pt2serve.runtime.sampling import SamplingParams
+from pt2serve.runtime.step import Chunk
+
+SWEEP_TOKENS = (1, 4, 16, 80)  # 80 is wider than the tiny artifact's widest static size (64): a mixed row
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def executor(tiny_artifact):
+    return Executor(load_artifact(tiny_artifact, device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(executor):
+    return artifact_tokenizer(executor.artifact.tokenizer_json, executor.artifact.metadata.raw.get("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def sweep_result(executor, tokenizer):
+    options = SweepOptions(tokens=SWEEP_TOKENS, warmup=2, iters=3)
+    return sweep_executor(executor, tokenizer, options)
+
+
+def cli(*args: str):
+    return CliRunner().invoke(app, ["bench", *args])
+
+
+# -- sweep --------------------------------------------------------------------------------------------------
+
+
+def test_sweep_rows_are_exactly_t_wide(sweep_result, executor):
+    assert [row.tokens for row in sweep_result.rows] == list(SWEEP_TOKENS)
+    for row in sweep_result.rows:
+        assert row.flags == [], (row.tokens, row.flags)
+        assert row.width_ok
+        assert row.measured_steps == 3
+        assert row.widths == [row.tokens] * 3
+        assert row.decodes == [row.num_decode] * 3
+        assert row.interval_seconds >= row.executor_seconds > 0
+        assert row.tokens_per_second == pytest.approx(row.tokens / row.interval_seconds)
+        assert row.limit_seconds == max(row.memory_seconds, row.compute_seconds) > 0
+        assert 0 < row.fraction_of_limit == pytest.approx(row.limit_seconds / row.interval_seconds)
+    kinds = {row.tokens: (row.kind, row.num_decode) for row in sweep_result.rows}
+    assert kinds[16] == ("decode", 16)
+    assert kinds[80] == ("mixed", 32)
+    assert sweep_result.rows[0].methods == ["forward_1"] and sweep_result.rows[3].methods == ["forward_others"]
+    assert executor.allocator.num_used == 0  # every request of every row is gone
+
+
+def test_sweep_then_requests_share_one_executor(sweep_result, executor, tokenizer):
+    runner = Runner(executor, tokenizer, RunnerConfig(prefix_cache_entries=0))
+    try:
+        result = drive_runner(runner, RequestsOptions(requests=6, prompt_tokens=20, max_new_tokens=6, stagger_ms=3))
+    finally:
+        runner.close()
+    assert result.summary["completed"] == 6 and result.summary["failed"] == 0
+    for r in result.requests:
+        assert r.output_tokens == 6 and r.finish_reason == "length"
+        assert 0 <= r.ttft <= r.e2e and r.tpot > 0
+    assert executor.allocator.num_used == 0
+
+
+def test_sweep_cli_writes_json_and_png(tiny_artifact, tmp_path):
+    """The installed command in a subprocess, as a user runs it."""
+    out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pt2serve.cli", "bench", str(tiny_artifact), "--mode", "sweep", "--tokens",
+         ",".join(map(str, SWEEP_TOKENS)), "--warmup", "2", "--iters", "3", "--json", str(out_json),
+         "--plot", str(out_png)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "tok/s" in proc.stdout and "% of limit" in proc.stdout
+    doc = json.loads(out_json.read_text())
+    for key in ("mode", "created", "machine", "versions", "artifact", "flags", "options", "num_cells", "limits",
+                "model_cost", "seconds", "rows"):
+        assert key in doc, key
+    assert doc["mode"] == "sweep"
+    for key in ("platform", "cpu_count", "gpu_name", "device"):
+        assert key in doc["machine"]
+    assert doc["versions"]["torch"] and doc["versions"]["pt2serve"]
+    assert doc["artifact"]["metadata"]["max_step_tokens"] == 128
+    assert doc["flags"]["tokens"] == "1,4,16,80" and doc["flags"]["iters"] == 3
+    assert doc["limits"]["memory_bandwidth"] > 0 and doc["limits"]["matmul_flops"] > 0
+    assert [row["tokens"] for row in doc["rows"]] == list(SWEEP_TOKENS)
+    for row in doc["rows"]:
+        assert row["widths"] == [row["tokens"]] * 3, row  # every measured step was exactly T wide
+        assert row["width_ok"] and row["flags"] == []
+        for key in ("executor_seconds", "interval_seconds", "tokens_per_second", "bytes", "flops",
+                    "limit_seconds", "fraction_of_limit", "bound", "executor_step_seconds", "interval_step_seconds"):
+            assert row[key] is not None, key
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_rows_with_wrong_widths_are_flagged_not_hidden():
+    plan = RowPlan(tokens=4, kind="decode", num_decode=4, prompt_tokens=8, max_new_tokens=50,
+                   backlog_prompt_tokens=0, backlog_requests=0)
+    decode = StepShape(4, 4, 4, 40, 40)
+    short = StepShape(3, 3, 3, 30, 30)
+    shapes = [StepShape(8, 4, 0, 8, 20), decode, decode, short, decode, decode]
+    timings = [StepTiming(0.01 * i, 0.01 * i + 0.004, shape, ("forward_4",)) for i, shape in enumerate(shapes)]
+    history = [StepRecord(i + 1, s.width, 0 if i == 0 else s.num_chunks, (), 0.004) for i, s in enumerate(shapes)]
+    limits = MachineLimits("cpu", "fp32", 1e10, 1e10, 0, 0, 0.0)
+    cost = ModelCost(1000, 1000, 100, 10, 16, 8)
+    row = _analyse(plan, timings, history, [], SweepOptions(warmup=1, iters=3), cost, limits)
+    assert row.steady_from == 1 and row.measured_steps == 3
+    assert row.widths == [4, 3, 4] and not row.width_ok
+    assert any("not 4 wide" in flag for flag in row.flags)
+    assert any("without 4 decodes" in flag for flag in row.flags)
+    assert row.executor_seconds == pytest.approx(0.004) and row.interval_seconds == pytest.approx(0.01)
+    few = _analyse(plan, timings, history, [], SweepOptions(warmup=1, iters=10), cost, limits)
+    assert few.measured_steps == 3 and "only 3 of 10 steady steps measured" in few.flags
+
+
+# -- requests -----------------------------------------------------------------------------------------------
+
+
+def test_requests_cli_poisson_in_process(tiny_artifact, tmp_path):
+    out_json, out_png = tmp_path / "req.json", tmp_path / "req.png"
+    result = cli(str(tiny_artifact), "--mode", "requests", "--requests", "8", "--prompt-tokens", "24",
+                 "--max-new-tokens", "5", "--request-rate", "200", "--seed", "3", "--json", str(out_json),
+                 "--plot", str(out_png))
+    assert result.exit_code == 0, result.output
+    assert "TTFT" in result.output and "TPOT" in result.output
+    doc = json.loads(out_json.read_text())
+    for key in ("mode", "machine", "versions", "artifact", "flags", "options", "target", "summary", "requests"):
+        assert key in doc, key
+    summary = doc["summary"]
+    assert summary["completed"] == 8 and summary["output_tokens"] == 40
+    assert summary["output_tokens_per_second"] > 0
+    for metric in ("ttft_seconds", "tpot_seconds", "e2e_seconds"):
+        assert set(summary[metric]) >= {"p50", "p90", "p99", "mean"}
+    arrivals = [r["arrival"] for r in doc["requests"]]
+    assert arrivals == arrival_times(RequestsOptions(requests=8, request_rate=200, seed=3))
+    for r in doc["requests"]:
+        assert r["output_tokens"] == 5
+        assert 0 <= r["ttft"] <= r["e2e"]
+        assert r["tpot"] == pytest.approx((r["end"] - r["first_token"]) / 4)
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_arrivals_and_summary():
+    stagger = arrival_times(RequestsOptions(requests=4, stagger_ms=250))
+    assert stagger == [0.0, 0.25, 0.5, 0.75]
+    poisson = arrival_times(RequestsOptions(requests=50, request_rate=10, seed=1))
+    assert poisson[0] == 0 and all(b >= a for a, b in zip(poisson, poisson[1:]))
+    assert poisson == arrival_times(RequestsOptions(requests=50, request_rate=10, seed=1))
+    assert 2 < poisson[-1] < 10  # ~49 gaps of mean 0.1 s
+    timings = [RequestTiming(0, 0, 4, submit=0.0, first_token=0.1, end=0.5, output_tokens=5),
+               RequestTiming(1, 0, 4, submit=0.2, first_token=0.4, end=1.0, output_tokens=1),
+               RequestTiming(2, 0, 4, submit=0.3, error="boom")]
+    s = summarise(timings)
+    assert s["completed"] == 2 and s["failed"] == 1 and s["output_tokens"] == 6
+    assert s["duration_seconds"] == pytest.approx(1.0)
+    assert s["ttft_seconds"]["p50"] == pytest.approx(0.15)
+    assert s["tpot_seconds"]["count"] == 1 and s["tpot_seconds"]["p50"] == pytest.approx(0.1)
+
+
+# -- the URL client -----------------------------------------------------------------------------------------
+
+
+class FakeOpenAI(BaseHTTPRequestHandler):
+    """Streams `max_tokens` OpenAI completion chunks over SSE; the last one carries finish_reason."""
+
+    protocol_version = "HTTP/1.0"  # the body ends when the connection closes
+    bodies: list[dict] = []
+    send_usage = True
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _json(self, status: int, value: dict) -> None:
+        data = json.dumps(value).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        else:
+            self._json(404, {"error": {"message": "not found"}})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        if self.path != "/v1/completions" or not isinstance(body.get("prompt"), list):
+            self._json(400, {"error": {"message": "bad request"}})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = body["max_tokens"]
+
+        def event(value) -> None:
+            self.wfile.write(f"data: {json.dumps(value) if not isinstance(value, str) else value}\n\n".encode())
+            self.wfile.flush()
+
+        for i in range(n):
+            time.sleep(0.003)
+            finish = "length" if i == n - 1 else None
+            event({"id": "c", "object": "text_completion", "model": body["model"],
+                   "choices": [{"index": 0, "text": f"t{i}", "finish_reason": finish}]})
+        if self.send_usage:
+            event({"id": "c", "object": "text_completion", "choices": [],
+                   "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": n}})
+        event("[DONE]")
+
+
+@pytest.fixture()
+def fake_server():
+    FakeOpenAI.bodies = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("usage", [True, False])
+def test_url_mode_against_a_stand_in_server(fake_server, usage, monkeypatch):
+    monkeypatch.setattr(FakeOpenAI, "send_usage", usage)
+    options = RequestsOptions(requests=5, prompt_tokens=12, max_new_tokens=4, stagger_ms=2, url=fake_server)
+    result = run_requests(None, options)
+    assert result.target == fake_server
+    assert result.summary["completed"] == 5 and result.summary["output_tokens"] == 20
+    for r in result.requests:
+        assert r.output_tokens == 4 and r.finish_reason == "length" and r.error is None
+        assert 0 <= r.ttft <= r.e2e and r.tpot > 0
+    timed = FakeOpenAI.bodies[1:]  # the first is the warm-up request
+    assert len(timed) == 5
+    for body in timed:
+        assert body["stream"] is True and body["max_tokens"] == 4 and body["model"] == "fake-model"
+        assert len(body["prompt"]) == 12 and all(isinstance(t, int) for t in body["prompt"])
+
+
+def test_url_mode_cli_with_json(fake_server, tmp_path):
+    out_json = tmp_path / "url.json"
+    result = cli("--mode", "requests", "--url", fake_server + "/v1", "--requests", "3", "--max-new-tokens", "3",
+                 "--prompt-tokens", "5", "--json", str(out_json))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out_json.read_text())
+    assert doc["target"] == fake_server and doc["artifact"] is None
+    assert doc["summary"]["output_tokens"] == 9
+
+
+def test_url_mode_against_the_real_server(tiny_artifact):
+    uvicorn = pytest.importorskip("uvicorn")
+    try:
+        from pt2serve.serve.app import create_app
+        from pt2serve.serve.config import ServerConfig
+    except ImportError:
+        pytest.skip("no server app")
+    from pt2serve.runtime.engine import open_runner
+
+    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(prefix_cache_entries=0))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(ServerConfig(model_name="tiny"), runner), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.02)
+        options = RequestsOptions(requests=4, prompt_tokens=10, max_new_tokens=6, stagger_ms=5,
+                                  url=f"http://127.0.0.1:{port}", seed=5)
+        result = run_requests(tiny_artifact, options)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
+        runner.close()
+    assert result.summary["completed"] == 4
+    for r in result.requests:
+        assert 1 <= r.output_tokens <= 6  # the server does not ignore EOS
+        assert 0 <= r.ttft <= r.e2e
+
+
+def test_url_unreachable_is_a_clear_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    result = cli("--mode", "requests", "--url", f"http://127.0.0.1:{port}", "--requests", "1")
+    assert result.exit_code != 0
+    assert "cannot reach" in result.output and "Traceback" not in result.output
+
+
+# -- pieces -------------------------------------------------------------------------------------------------
+
+
+def test_step_shape_and_model_cost(tiny_artifact):
+    chunks = [Chunk(np.arange(10), (5,), 9, SamplingParams()),  # a decode at position 9: context 10
+              Chunk(np.arange(4), (1, 2, 3, 4), 0, None)]  # a 4-token prefill piece
+    shape = StepShape.of(chunks)
+    assert (shape.width, shape.num_chunks, shape.num_sampled) == (5, 2, 1)
+    assert shape.context_cells == 10 + 4
+    assert shape.attention_pairs == 10 + (1 + 2 + 3 + 4)
+    raw = read_metadata(tiny_artifact).raw
+    cost = ModelCost.from_metadata(raw)
+    cfg = raw["model_config"]
+    assert cost.kv_bytes_per_cell == cfg["num_layers"] * 2 * cfg["num_kv_heads"] * cfg["head_dim"] * 4
+    assert cost.head_params == cfg["hidden_size"] * cfg["vocab_size"]
+    assert cost.head_params < cost.matmul_params and cost.weight_bytes_per_call <= cost.weight_bytes
+
+
+def test_row_plans(tiny_artifact):
+    raw = read_metadata(tiny_artifact).raw
+    decode = plan_row(64, SweepOptions(), raw, 4096)
+    assert (decode.kind, decode.num_decode, decode.backlog_requests) == ("decode", 64, 0)
+    assert 64 * (decode.prompt_tokens + decode.max_new_tokens) <= 4096
+    mixed = plan_row(128, SweepOptions(decode_cap=16, prefill_chunk=50), raw, 4096)
+    assert (mixed.kind, mixed.num_decode, mixed.backlog_prompt_tokens) == ("mixed", 16, 50)
+    assert mixed.backlog_requests * 50 >= 2 * (128 - 16)
+    with pytest.raises(Pt2ServeError, match="KV pool"):
+        plan_row(64, SweepOptions(), raw, 200)
+    with pytest.raises(Pt2ServeError, match="max context"):
+        plan_row(4, SweepOptions(prompt_tokens=250), raw, 4096)
+    assert resolve_tokens(None, 128) == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert resolve_tokens(None, 100) == (1, 2, 4, 8, 16, 32, 64)
+    assert parse_tokens(" 4, 1 ,8") == (4, 1, 8)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mode", "fast"], "unknown --mode"),
+        (["--tokens", "1,x"], "positive integers"),
+        (["--tokens", "0,4"], "positive integers"),
+        (["--tokens", ""], "--tokens is empty"),
+        (["--tokens", "64,129"], "max_step_tokens (128)"),
+        (["--iters", "0"], "--iters must be at least 1"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--decode-cap", "0"], "--decode-cap"),
+        (["--prefill-chunk", "256"], "max context"),
+        (["--num-cells", "1"], "--num-cells"),
+        (["--mode", "sweep", "--url", "http://127.0.0.1:9"], "only apply to --mode requests"),
+        (["--mode", "requests", "--tokens", "4"], "only apply to --mode sweep"),
+        (["--mode", "requests", "--stagger-ms", "1", "--request-rate", "2"], "not both"),
+        (["--mode", "requests", "--request-rate", "0"], "--request-rate"),
+        (["--mode", "requests", "--requests", "0"], "--requests"),
+        (["--mode", "requests", "--prompt-tokens", "200", "--max-new-tokens", "100"], "max context"),
+        (["--mode", "requests", "--url", "ftp://x"], "--url must start with"),
+    ],
+)
+def test_bad_flags_are_clear_errors(tiny_artifact, args, message):
+    result = cli(str(tiny_artifact), *args)
+    assert result.exit_code != 0
+    assert message in result.output, result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_missing_artifact_and_no_artifact(tmp_path):
+    result = cli(str(tmp_path / "nope.pt2"))
+    assert result.exit_code != 0 and "does not exist" in result.output and "Traceback" not in result.output
+    result = cli("--mode", "requests")
+    assert result.exit_code != 0 and "give the artifact" in result.output
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tiny_artifact, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    result = cli(str(tiny_artifact), "--tokens", "1", "--plot", str(tmp_path / "x.png"))
+    assert result.exit_code != 0 and "needs matplotlib" in result.output
+    assert not (tmp_path / "x.png").exists()

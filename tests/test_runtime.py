@@ -1,0 +1,534 @@
+"""The executor on the toy-greedy artifact (whose greedy continuation is known), the device sampler against
+a host reference, the cell allocator, and the loader's refusal of damaged artifacts."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS
+from pt2serve.contract import FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, SCRATCH_CELL, WEIGHTS_PREFIX, forward_name
+from pt2serve.model.eager import EagerSequence, greedy_generate
+from pt2serve.model.presets import build_preset_model, toy_greedy_continuation, toy_successor
+from pt2serve.runtime.artifact import load_artifact, read_metadata
+from pt2serve.runtime.cells import CellAllocator, CellTable
+from pt2serve.runtime.executor import Executor
+from pt2serve.runtime.sampling import RequestRandom, SamplingParams
+from pt2serve.runtime.step import Chunk, pack
+
+VOCAB = 258
+GREEDY = SamplingParams()
+# Sampling with top_k=1 must still pick the greedy token; it exercises the `sample` method in a step.
+TOP1 = SamplingParams(temperature=0.9, top_k=1)
+
+
+@pytest.fixture(scope="module")
+def executor(toy_artifact):
+    return Executor(load_artifact(toy_artifact))
+
+
+@pytest.fixture(scope="module")
+def toy_model():
+    return build_preset_model("toy-greedy", torch.float32).eval()
+
+
+# ------------------------------------------------------------------------------------- width test
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]  # prompt + designed continuation: the true token at each position
+    prompt_length: int
+    table: CellTable = field(default_factory=CellTable)
+
+    @property
+    def fed(self) -> int:
+        return self.table.length
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.fed
+
+
+def new_sequence(rng: random.Random, min_length: int) -> Sequence:
+    total = rng.randint(max(min_length, 2), TEST_MAX_CONTEXT)
+    prompt_length = rng.randint(1, total)
+    prompt = [rng.randrange(VOCAB) for _ in range(prompt_length)]
+    return Sequence(prompt + toy_greedy_continuation(prompt, total - prompt_length), prompt_length)
+
+
+def expected_calls(width: int, meta) -> list[tuple[str, int]]:
+    """(method, real tokens) of each call: steps over max_step_tokens are cut into pieces of that size,
+    each piece runs on the narrowest static width that holds it, else on forward_others."""
+    pieces = []
+    left = width
+    while left:
+        pieces.append(min(left, meta.max_step_tokens))
+        left -= pieces[-1]
+    calls = []
+    for piece in pieces:
+        fitting = [n for n in meta.forward_sizes if n >= piece]
+        calls.append((forward_name(fitting[0]) if fitting else FORWARD_OTHERS, piece))
+    return calls
+
+
+def random_lengths(rng: random.Random, width: int) -> list[int]:
+    parts = rng.randint(1, min(width, 8))
+    cuts = sorted(rng.sample(range(1, width), parts - 1))
+    bounds = [0, *cuts, width]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def test_toy_greedy_is_the_designed_continuation(toy_model):
+    rng = random.Random(3)
+    for length in (1, 7, 30):
+        prompt = [rng.randrange(VOCAB) for _ in range(length)]
+        assert greedy_generate(toy_model, prompt, 12) == toy_greedy_continuation(prompt, 12)
+
+
+def test_every_step_width(executor):
+    meta = executor.artifact.metadata
+    assert meta.max_step_tokens == TEST_MAX_STEP_TOKENS
+    widths = list(range(1, 66)) + [96, 97, TEST_MAX_STEP_TOKENS + 22]
+    rng = random.Random(20261130)
+    schedule = widths * 3
+    rng.shuffle(schedule)
+    allocator = executor.allocator
+    assert allocator.num_used == 0
+    active: list[Sequence] = []
+
+    def retire(seq: Sequence) -> None:
+        allocator.free(seq.table.cells.copy())
+        active.remove(seq)
+
+    for width in schedule:
+        chunks, owners = [], []
+        for length in random_lengths(rng, width):
+            candidates = [s for s in active if s.remaining >= length and s not in owners]
+            if candidates and rng.random() < 0.75:
+                seq = rng.choice(candidates)
+            else:
+                seq = new_sequence(rng, length)
+                active.append(seq)
+            while not allocator.can_allocate(length):
+                retire(rng.choice([s for s in active if s not in owners and s is not seq]))
+            start = seq.fed
+            seq.table.append(allocator.allocate(length))
+            roll = rng.random()
+            sampling = GREEDY if roll < 0.55 else TOP1 if roll < 0.7 else None
+            chunks.append(Chunk(seq.table.cells, tuple(seq.tokens[start:start + length]), start, sampling,
+                                uniform=rng.random()))
+            owners.append(seq)
+
+        result = executor.step(chunks)
+
+        assert [(c.method, c.num_tokens) for c in result.calls] == expected_calls(width, meta), width
+        assert len(result.tokens) == len(chunks)
+        for chunk, seq, token in zip(chunks, owners, result.tokens):
+            if chunk.sampling is None:
+                assert token is None
+                continue
+            designed = toy_successor(seq.tokens[chunk.end - 1])
+            assert token == designed, (width, chunk.start, len(chunk.tokens))
+            if seq.prompt_length <= chunk.end < len(seq.tokens):
+                assert token == seq.tokens[chunk.end]  # the continuation itself
+        for seq in owners:
+            if seq.remaining == 0 or rng.random() < 0.05:
+                retire(seq)
+
+    for seq in list(active):
+        retire(seq)
+    assert allocator.num_used == 0
+    assert allocator.num_free == allocator.capacity
+
+
+def test_designed_calls_cover_every_method():
+    """The width schedule above reaches every method (so the test really exercises all of them)."""
+    meta = type("M", (), {"max_step_tokens": TEST_MAX_STEP_TOKENS, "forward_sizes": (1, 2, 4, 8, 16, 32, 64)})
+    seen = {m for w in list(range(1, 66)) + [96, 97, 150] for m, _ in expected_calls(w, meta)}
+    assert seen == {forward_name(n) for n in meta.forward_sizes} | {FORWARD_OTHERS}
+    assert expected_calls(150, meta) == [(FORWARD_OTHERS, 128), (forward_name(32), 22)]
+    assert expected_calls(65, meta) == [(FORWARD_OTHERS, 65)]
+
+
+# ---------------------------------------------------------------------------------------- sampler
+
+
+def _inverse_cdf(scaled_sorted: np.ndarray, top_p: float, top_k: int, target_fraction: float) -> tuple[int, np.ndarray]:
+    """model/sampling.py's selection on sorted scaled logits, in float64: (rank chosen, keep mask)."""
+    vocab = scaled_sorted.shape[0]
+    probs = np.exp(scaled_sorted - scaled_sorted[0])
+    probs /= probs.sum()
+    rank = np.arange(vocab)
+    k = min(top_k, vocab) if top_k > 0 else vocab
+    mass_before = np.cumsum(probs) - probs
+    keep = (rank < k) & ((mass_before < top_p) | (rank == 0))
+    cdf = np.cumsum(probs * keep)
+    target = target_fraction * cdf[-1]
+    return min(int((cdf <= target).sum()), int(keep.sum()) - 1), keep
+
+
+def reference_sample(logits: np.ndarray, temperature: float, top_p: float, top_k: int, uniform: float,
+                     eps: float = 2e-5) -> tuple[int, set[int], np.ndarray]:
+    """The sampler on the host: (token, tokens reachable within float32 rounding, kept ids in rank order).
+
+    Temperature scaling, stable descending sort, top-k, the top-p keep-prefix rule (a rank is kept while
+    the mass before it is below top_p; rank 0 always), then the inverse CDF of the kept mass at
+    uniform * kept mass. The device works in float32, so a draw or top-p cut within `eps` of a boundary
+    may land on a neighbour: the second value holds every token reachable by moving the draw and top_p
+    by +-eps (a single token when the row is unambiguous).
+    """
+    if temperature <= 0:
+        token = int(np.argmax(logits))
+        return token, {token}, np.array([token])
+    scaled = (logits.astype(np.float32) / np.float32(temperature)).astype(np.float64)
+    order = np.argsort(-scaled, kind="stable")  # descending, ties keep index order
+    s = scaled[order]
+    u = float(np.float32(uniform))
+    choice, keep = _inverse_cdf(s, float(np.float32(top_p)), top_k, u)
+    reachable = {
+        int(order[_inverse_cdf(s, float(np.float32(top_p)) + dp, top_k, min(max(u + du, 0.0), 1.0))[0]])
+        for dp in (-eps, 0.0, eps) for du in (-eps, 0.0, eps)
+    }
+    return int(order[choice]), reachable, order[keep]
+
+
+def run_sample(artifact, logits, temperature, top_p, top_k, uniform) -> np.ndarray:
+    inputs = [
+        torch.as_tensor(logits, dtype=torch.float32),
+        torch.as_tensor(temperature, dtype=torch.float32),
+        torch.as_tensor(top_p, dtype=torch.float32),
+        torch.as_tensor(top_k, dtype=torch.int64),
+        torch.as_tensor(uniform, dtype=torch.float32),
+    ]
+    return artifact.run(SAMPLE, inputs)[0].numpy()
+
+
+def random_sampling_rows(rng: np.random.Generator, rows: int):
+    logits = (rng.standard_normal((rows, VOCAB)) * rng.uniform(0.5, 4.0, size=(rows, 1))).astype(np.float32)
+    # Some rows with many exact ties (small integer logits): stable order decides among equals.
+    ties = rng.random(rows) < 0.2
+    logits[ties] = rng.integers(-3, 4, size=(int(ties.sum()), VOCAB)).astype(np.float32)
+    temperature = rng.choice([0.0, 0.3, 0.7, 1.0, 1.5, 5.0], size=rows).astype(np.float32)
+    top_p = rng.choice([1.0, 0.95, 0.8, 0.5, 0.1, 0.001], size=rows).astype(np.float32)
+    top_k = rng.choice([0, 0, 1, 2, 5, 40, 257, 258, 1000], size=rows).astype(np.int64)
+    uniform = rng.random(rows, dtype=np.float32)
+    uniform[:5] = 0.0
+    uniform[5:10] = np.nextafter(np.float32(1.0), np.float32(0.0))
+    return logits, temperature, top_p, top_k, uniform
+
+
+def test_sampler_matches_host_reference(executor):
+    rng = np.random.default_rng(0)
+    rows = 400
+    logits, temperature, top_p, top_k, uniform = random_sampling_rows(rng, rows)
+    got = run_sample(executor.artifact, logits, temperature, top_p, top_k, uniform)
+    mismatched, ambiguous = [], 0
+    for r in range(rows):
+        token, reachable, kept = reference_sample(logits[r], temperature[r], top_p[r], top_k[r], uniform[r])
+        if temperature[r] == 0:
+            assert got[r] == np.argmax(logits[r]), r  # greedy rows: argmax
+        if top_k[r] > 0 and temperature[r] > 0:
+            # Never outside the top k (ranked by the stable descending order).
+            order = np.argsort(-(logits[r] / temperature[r]), kind="stable")
+            assert got[r] in order[: top_k[r]], r
+        assert got[r] in kept, r
+        if len(reachable) > 1:
+            ambiguous += 1
+            assert got[r] in reachable, (r, int(got[r]), reachable)
+        elif got[r] != token:
+            mismatched.append((r, int(got[r]), token))
+    assert mismatched == []
+    assert ambiguous <= rows // 20, f"{ambiguous} ambiguous rows: the reference tolerance is too coarse"
+
+
+@pytest.mark.parametrize(
+    "temperature, top_p, top_k",
+    [(1.0, 1.0, 10), (0.7, 0.6, 0), (2.0, 0.9, 6), (1.3, 0.75, 20)],
+)
+def test_sampler_frequencies_follow_the_restricted_softmax(executor, temperature, top_p, top_k):
+    rng = np.random.default_rng(1)
+    draws = 50_000
+    row = (rng.standard_normal(VOCAB) * 2.5).astype(np.float32)
+    # The distribution the sampler should follow: softmax of row / temperature restricted to the kept set.
+    _, _, kept = reference_sample(row, temperature, top_p, top_k, 0.5)
+    scaled = row.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    expected = np.zeros(VOCAB)
+    expected[kept] = probs[kept] / probs[kept].sum()
+    assert 2 <= len(kept) <= 40, len(kept)  # small support: 50k draws estimate it well
+
+    uniform = rng.random(draws, dtype=np.float32)
+    got = run_sample(
+        executor.artifact, np.tile(row, (draws, 1)), np.full(draws, temperature), np.full(draws, top_p),
+        np.full(draws, top_k), uniform,
+    )
+    counts = np.bincount(got, minlength=VOCAB) / draws
+    assert set(np.flatnonzero(counts)) <= set(kept.tolist())  # never outside the kept set
+    total_variation = 0.5 * np.abs(counts - expected).sum()
+    # Sampling error of 50k draws over <= 40 outcomes is about 0.4 * sqrt(40 / 50k) ~ 0.011 at worst.
+    assert total_variation < 0.02, total_variation
+
+
+def test_sample_argmax_is_argmax(executor):
+    logits = torch.randn(37, VOCAB, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(executor.artifact.run(SAMPLE_ARGMAX, [logits])[0], logits.argmax(-1))
+    # One row too (the traced example had 3; rows are dynamic).
+    assert torch.equal(executor.artifact.run(SAMPLE_ARGMAX, [logits[:1]])[0], logits[:1].argmax(-1))
+
+
+def test_request_random_is_seeded():
+    a, b, c = RequestRandom(42), RequestRandom(42), RequestRandom(43)
+    draws_a = [a.next_uniform() for _ in range(100)]
+    assert draws_a == [b.next_uniform() for _ in range(100)]
+    assert draws_a != [c.next_uniform() for _ in range(100)]
+    assert all(0.0 <= u < 1.0 for u in draws_a)
+    unseeded = [RequestRandom(None).next_uniform() for _ in range(3)]
+    assert len(set(unseeded)) == 3
+
+
+# ------------------------------------------------------------------------------------------- pool
+
+
+def test_allocator_start_clone_end_in_random_order():
+    rng = random.Random(11)
+    allocator = CellAllocator(300)
+    holds: Counter = Counter()  # cell -> holders, the test's own model of the refcounts
+    sequences: list[np.ndarray] = []
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.35 or not sequences:  # start
+            n = rng.randint(1, 40)
+            cells = allocator.allocate(n)
+            if cells is None:
+                assert allocator.num_free < n
+                continue
+            assert len(cells) == n and len(set(cells.tolist())) == n
+            assert SCRATCH_CELL not in cells
+            assert not any(holds[c] for c in cells.tolist()), "handed out a cell that is held"
+            holds.update(cells.tolist())
+            sequences.append(cells)
+        elif op < 0.65:  # clone: share a prefix, fresh cells for the rest
+            parent = rng.choice(sequences)
+            k = rng.randint(0, len(parent))
+            extra = rng.randint(0, 20)
+            fresh = allocator.allocate(extra)
+            if fresh is None:
+                continue
+            assert not any(holds[c] for c in fresh.tolist())
+            allocator.share(parent[:k])
+            holds.update(parent[:k].tolist())
+            holds.update(fresh.tolist())
+            sequences.append(np.concatenate([parent[:k], fresh]))
+        else:  # end
+            seq = sequences.pop(rng.randrange(len(sequences)))
+            allocator.free(seq)
+            holds.subtract(seq.tolist())
+        held = {c for c, n in holds.items() if n > 0}
+        assert allocator.num_used == len(held)
+    for seq in sequences:
+        allocator.free(seq)
+    assert allocator.num_used == 0
+    assert allocator.num_free == allocator.capacity
+    assert sorted(allocator.allocate(allocator.capacity).tolist()) == list(range(1, 300))
+
+
+def test_freeing_unheld_cells_raises():
+    allocator = CellAllocator(10)
+    with pytest.raises(ValueError):
+        allocator.free(np.array([3]))  # never handed out
+    with pytest.raises(ValueError):
+        allocator.free(np.array([SCRATCH_CELL]))
+    cells = allocator.allocate(4)
+    allocator.free(cells[:2])
+    with pytest.raises(ValueError):
+        allocator.free(cells[:1])  # freed already
+    with pytest.raises(ValueError):
+        allocator.free(cells)  # half of them freed already: nothing may change
+    assert allocator.num_used == 2
+    allocator.free(cells[2:])
+    assert allocator.num_used == 0
+
+
+def test_freeing_a_cell_twice_in_one_call_raises():
+    """A cell held once and listed twice in one free() is a double free, and must not corrupt the pool."""
+    allocator = CellAllocator(10)
+    cells = allocator.allocate(3)
+    with pytest.raises(ValueError):
+        allocator.free(np.array([cells[0], cells[0]]))
+    allocator.free(cells)
+    assert allocator.num_used == 0
+
+
+def test_clone_sees_the_shared_prefix(executor, toy_model):
+    allocator = executor.allocator
+    assert allocator.num_used == 0
+    rng = random.Random(5)
+    prompt = [rng.randrange(VOCAB) for _ in range(20)]
+    parent = CellTable(allocator.allocate(len(prompt)))
+    result = executor.step([Chunk(parent.cells, tuple(prompt), 0, GREEDY)])
+    assert result.tokens == (toy_successor(prompt[-1]),)
+
+    shared = 12
+    allocator.share(parent.cells[:shared])
+    clone = CellTable(parent.cells[:shared].copy())
+    branch = [rng.randrange(VOCAB) for _ in range(5)]
+    clone.append(allocator.allocate(len(branch)))
+    result = executor.step([Chunk(clone.cells, tuple(branch), shared, GREEDY)])
+    assert result.tokens == (toy_successor(branch[-1]),)
+
+    # The parent ends: the shared cells stay held by the clone.
+    allocator.free(parent.cells)
+    assert allocator.num_used == len(clone.cells)
+
+    # Logits, not only the argmax: the clone's next step must attend to the shared prefix's K/V.
+    token = rng.randrange(VOCAB)
+    clone.append(allocator.allocate(1))
+    call = pack([(0, Chunk(clone.cells, (token,), shared + len(branch), GREEDY))], FORWARD_OTHERS, None, None)
+    inputs = list(torch.split(torch.from_numpy(call.host), list(call.sizes)))
+    logits = executor.artifact.run(FORWARD_OTHERS, [*inputs, *executor.pools])[0][0]
+    expected = EagerSequence(toy_model, 32).extend(prompt[:shared] + branch + [token])[-1]
+    assert (logits - expected).abs().max().item() <= 1e-4
+    # The check is sensitive: another prefix gives logits that differ by far more than the tolerance.
+    other = EagerSequence(toy_model, 32).extend([(t + 1) % VOCAB for t in prompt[:shared]] + branch + [token])[-1]
+    assert (other - expected).abs().max().item() > 1e-3
+
+    allocator.free(clone.cells)
+    assert allocator.num_used == 0
+
+
+# ------------------------------------------------------------------------------------ bad artifacts
+
+
+def rewrite_zip(src: Path, dst: Path, drop=lambda name: False, replace: dict | None = None) -> None:
+    """Copy a zip record by record (kept ZIP_STORED), dropping or replacing some."""
+    replace = replace or {}
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", compression=zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            if drop(info.filename):
+                continue
+            data = replace.get(info.filename.split("/", 1)[-1])
+            zout.writestr(info.filename, data if data is not None else zin.read(info.filename),
+                          compress_type=zipfile.ZIP_STORED)
+
+
+def metadata_record(path: Path) -> tuple[str, dict]:
+    with zipfile.ZipFile(path) as archive:
+        name = next(n for n in archive.namelist() if n.split("/", 1)[-1] == "extra/pt2serve.json")
+        return name, json.loads(archive.read(name))
+
+
+def with_metadata(src: Path, dst: Path, edit) -> None:
+    name, meta = metadata_record(src)
+    edit(meta)
+    rewrite_zip(src, dst, replace={name.split("/", 1)[-1]: json.dumps(meta).encode()})
+
+
+def make_bad_artifacts(src: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (path, text the error must contain)."""
+    meta = read_metadata(src).raw
+    cases = {}
+
+    truncated = tmp / "truncated.pt2"
+    data = src.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    cases["truncated"] = (truncated, "not a readable .pt2 package")
+
+    tampered = tmp / "tampered.pt2"
+    shutil.copy(src, tampered)
+    weight = max(meta["weights"], key=lambda w: int(np.prod(w["shape"])))
+    with zipfile.ZipFile(src) as archive:
+        info = next(i for i in archive.infolist() if i.filename.split("/", 1)[-1] == weight["record"])
+    with open(tampered, "r+b") as file:
+        file.seek(info.header_offset)
+        header = file.read(30)
+        name_length = int.from_bytes(header[26:28], "little")
+        extra_length = int.from_bytes(header[28:30], "little")
+        at = info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+        file.seek(at)
+        byte = file.read(1)
+        file.seek(at)
+        file.write(bytes([byte[0] ^ 0x5A]))
+    cases["tampered-weights"] = (tampered, "content hash")
+
+    internal = meta["methods"][forward_name(2)]["internal_name"]
+    missing_method = tmp / "missing-method.pt2"
+    rewrite_zip(src, missing_method, drop=lambda n: n.split("/", 1)[-1].startswith(f"data/aotinductor/{internal}/"))
+    cases["missing-method"] = (missing_method, "forward_2")
+
+    missing_weight = tmp / "missing-weight.pt2"
+    dropped = meta["weights"][0]
+    rewrite_zip(src, missing_weight, drop=lambda n: n.split("/", 1)[-1] == dropped["record"])
+    cases["missing-weight"] = (missing_weight, f"weight {dropped['name']} is missing")
+
+    other_format = tmp / "other-format.pt2"
+    with_metadata(src, other_format, lambda m: m.update(format_version=m["format_version"] + 1))
+    cases["other-format-version"] = (other_format, "artifact format")
+
+    other_torch = tmp / "other-torch.pt2"
+    major = int(torch.__version__.split(".")[0])
+    with_metadata(src, other_torch, lambda m: m["built_with"].update(torch=f"{major - 1}.0.1+cpu"))
+    cases["other-torch"] = (other_torch, f"built with torch {major - 1}.0.1")
+
+    not_zip = tmp / "not-a-zip.pt2"
+    not_zip.write_bytes(b"this is not a zip archive\n" * 100)
+    cases["not-a-zip"] = (not_zip, "not a readable .pt2 package")
+
+    cases["no-such-path"] = (tmp / "does-not-exist.pt2", "does not exist")
+
+    # A clean rewrite loads: the damage above, not the rewriting, is what the loader refuses.
+    rewritten = tmp / "rewritten.pt2"
+    rewrite_zip(src, rewritten)
+    cases["rewritten-ok"] = (rewritten, "")
+    return cases
+
+
+@pytest.fixture(scope="module")
+def bad_artifact_results(tiny_artifact, tmp_path_factory):
+    """Load every damaged artifact in its own interpreter (a crash must not take the test run down)."""
+    tmp = tmp_path_factory.mktemp("bad-artifacts")
+    cases = make_bad_artifacts(tiny_artifact, tmp)
+    procs = {}
+    for name, (path, _) in cases.items():
+        code = f"from pt2serve.runtime.artifact import load_artifact; load_artifact({str(path)!r})"
+        procs[name] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
+    results = {}
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results[name] = (proc.returncode, out + err, cases[name][1])
+    return results
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["truncated", "tampered-weights", "missing-method", "missing-weight", "other-format-version", "other-torch",
+     "not-a-zip", "no-such-path"],
+)
+def test_bad_artifact_is_refused_with_message(bad_artifact_results, case):
+    returncode, output, message = bad_artifact_results[case]
+    assert returncode is not None and returncode > 0, f"exit {returncode} (negative: killed by a signal):\n{output}"
+    assert "Pt2ServeError" in output, output
+    assert message in output, f"{message!r} not in:\n{output}"
+
+
+def test_rewritten_artifact_still_loads(bad_artifact_results):
+    returncode, output, _ = bad_artifact_results["rewritten-ok"]
+    assert returncode == 0, output

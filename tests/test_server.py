@@ -1,0 +1,443 @@
+"""The HTTP server: real uvicorn on 127.0.0.1, driven with the official openai client and raw httpx.
+
+Two server instances share one runner over the tiny artifact (prefix cache off, so the KV cells in use
+return to their baseline once a request ends): `server` is open, `strict` wants an API key and sheds
+load past one active request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from pt2serve.runtime.engine import open_runner
+from pt2serve.runtime.runner import RunnerConfig
+from pt2serve.serve.app import attach_runner, create_app
+from pt2serve.serve.config import ServerConfig
+
+MODEL = "tiny"
+API_KEY = "test-key-123"
+VOCAB = 258  # the tiny preset's byte vocabulary: 256 bytes, bos, eos
+
+
+class ServerThread:
+    """uvicorn serving `app` from a background thread, on a free port of 127.0.0.1."""
+
+    def __init__(self, app) -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            assert self._thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
+        self._socket.close()
+        assert not self._thread.is_alive(), "uvicorn did not stop"
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_artifact):
+    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(prefix_cache_entries=0,
+                                                                                  max_sessions=8))
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def server(runner):
+    thread = ServerThread(create_app(ServerConfig(model_name=MODEL), runner)).start()
+    yield thread.url
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def strict(runner):
+    config = ServerConfig(model_name=MODEL, api_key=API_KEY, max_queued=1)
+    thread = ServerThread(create_app(config, runner)).start()
+    yield thread.url
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="x", timeout=60, max_retries=0) as client:
+        yield client
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def metrics(url: str, headers: dict | None = None) -> dict[str, float]:
+    """Every sample of /metrics by name and labels, e.g. 'pt2serve_requests_total{finish_reason="stop"}'."""
+    response = httpx.get(f"{url}/metrics", headers=headers or {})
+    assert response.status_code == 200, response.text
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def stream_tokens(chunks, chat: bool) -> tuple[str, int, str | None, object]:
+    """Text, token chunks, finish reason and usage of a streamed response."""
+    text, tokens, finish, usage = [], 0, None, None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.finish_reason is not None:
+                finish = choice.finish_reason
+                continue
+            tokens += 1
+            text.append((choice.delta.content if chat else choice.text) or "")
+    return "".join(text), tokens, finish, usage
+
+
+# -- basics ------------------------------------------------------------------------------------------------
+
+
+def test_health_and_models(server, client):
+    response = httpx.get(f"{server}/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_health_reports_loading_until_a_runner_is_attached(runner):
+    app = create_app(ServerConfig(model_name=MODEL))
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 503
+        busy = http.post("/v1/completions", json={"prompt": "hi"})
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "model_loading"
+        attach_runner(app, runner, owns_runner=False)
+        assert http.get("/health").json() == {"status": "ok"}
+        assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=1234)],
+                         ids=["greedy", "seeded"])
+def test_completion_streamed_equals_non_streamed(client, sampling):
+    kwargs = dict(model=MODEL, prompt="The capital of France is", max_tokens=24, **sampling)
+    full = client.completions.create(**kwargs)
+    choice = full.choices[0]
+    assert full.object == "text_completion" and full.model == MODEL
+    assert full.usage.prompt_tokens == len("The capital of France is") + 1  # bytes + bos
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert choice.finish_reason in ("stop", "length")
+    if choice.finish_reason == "length":
+        assert full.usage.completion_tokens == 24
+
+    chunks = client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    text, tokens, finish, usage = stream_tokens(chunks, chat=False)
+    assert text == choice.text
+    assert finish == choice.finish_reason
+    assert tokens == usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=7)], ids=["greedy", "seeded"])
+def test_chat_streamed_equals_non_streamed(client, sampling):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=20, **sampling)
+    full = client.chat.completions.create(**kwargs)
+    choice = full.choices[0]
+    assert full.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text, tokens, finish, usage = stream_tokens(chunks, chat=True)
+    assert text == choice.message.content
+    assert finish == choice.finish_reason
+    assert tokens == usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_token_id_prompt_returns_token_ids(server):
+    body = {"model": MODEL, "prompt": [256, 72, 105], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{server}/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    choice = data["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 6
+    assert all(0 <= t < VOCAB for t in choice["token_ids"])
+    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_stop_string_is_honoured_and_cut(client):
+    full = client.completions.create(model=MODEL, prompt="abc", max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    if len(text) < 4:
+        pytest.skip("the greedy continuation is too short to cut")
+    stop = text[2:4]
+    cut = client.completions.create(model=MODEL, prompt="abc", max_tokens=40, temperature=0, stop=stop,
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+# -- concurrency --------------------------------------------------------------------------------------------
+
+
+def test_32_concurrent_streams_have_exact_usage(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> None:
+        max_tokens = 8 + i % 9
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"client {i} says", max_tokens=max_tokens, temperature=0.7, seed=i, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        text, tokens, finish, usage = stream_tokens(chunks, chat=False)
+        assert finish == "length"
+        assert tokens == usage.completion_tokens == max_tokens
+        assert usage.prompt_tokens == len(f"client {i} says") + 1
+        assert usage.total_tokens == usage.prompt_tokens + max_tokens
+
+    async def main() -> None:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="x", timeout=60, max_retries=0) as client:
+            await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    before = metrics(server)
+    asyncio.run(main())
+    after = metrics(server)
+    assert after['pt2serve_requests_total{finish_reason="length"}'] - before.get(
+        'pt2serve_requests_total{finish_reason="length"}', 0) == 32
+    assert after["pt2serve_completion_tokens_total"] - before["pt2serve_completion_tokens_total"] == sum(
+        8 + i % 9 for i in range(32))
+
+
+# -- sessions ------------------------------------------------------------------------------------------------
+
+
+def test_session_reuses_the_previous_turn(server):
+    prompt = [256, *b"Once upon a time"]
+
+    def complete(ids, session):
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{server}/v1/completions", json=body, headers={"X-Session-ID": session})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    first = complete(prompt, "story-1")
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    follow_up = prompt + first["choices"][0]["token_ids"] + list(b" and then")
+    second = complete(follow_up, "story-1")
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # Everything computed in the first turn: its prompt and all its tokens but the last sampled one.
+    assert cached == len(prompt) + 8 - 1
+    other = complete(follow_up, "story-2")  # another session starts cold
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # The body field works as the header does.
+    body = {"model": MODEL, "prompt": follow_up + second["choices"][0]["token_ids"], "max_tokens": 2,
+            "session_id": "story-1", "temperature": 0}
+    third = httpx.post(f"{server}/v1/completions", json=body).json()
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] > cached
+
+
+# -- bad input -----------------------------------------------------------------------------------------------
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"model": MODEL, "prompt": "hi"}
+
+BAD_REQUESTS = [
+    # (path, body: dict for JSON or bytes as sent, status, message substring, param)
+    (COMPLETIONS, b"{not json", 400, "not valid JSON", None),
+    (COMPLETIONS, b"", 400, "body is empty", None),
+    (COMPLETIONS, b"[1, 2]", 400, "must be a JSON object", None),
+    (COMPLETIONS, {**OK, "max_tokens": "ten"}, 400, "valid integer", "max_tokens"),
+    (COMPLETIONS, {**OK, "max_tokens": 0}, 400, "greater than or equal to 1", "max_tokens"),
+    (COMPLETIONS, {**OK, "max_tokens": 10**6}, 400, "exceeds this model's context", "max_tokens"),
+    (COMPLETIONS, {**OK, "temperature": -0.5}, 400, "greater than or equal to 0", "temperature"),
+    (COMPLETIONS, {**OK, "temperature": 1000}, 400, "less than or equal to 100", "temperature"),
+    (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', 400, "finite number", "temperature"),
+    (COMPLETIONS, {**OK, "top_p": 0}, 400, "greater than 0", "top_p"),
+    (COMPLETIONS, {**OK, "top_p": 1.5}, 400, "less than or equal to 1", "top_p"),
+    (COMPLETIONS, {**OK, "top_k": -1}, 400, "greater than or equal to 0", "top_k"),
+    (COMPLETIONS, {**OK, "n": 2}, 400, "only n=1", "n"),
+    (COMPLETIONS, {**OK, "stream": "yes"}, 400, "valid boolean", "stream"),
+    (COMPLETIONS, {**OK, "stop": [1, 2]}, 400, "stop must be", "stop"),
+    (COMPLETIONS, {**OK, "seed": 1.5}, 400, "valid integer", "seed"),
+    (COMPLETIONS, {**OK, "model": "gpt-9"}, 404, "'gpt-9' does not exist", "model"),
+    (COMPLETIONS, {"model": MODEL}, 400, "Field required", "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "must not be empty", "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, "must not be empty", "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": 42}, 400, "string or a list of integer token ids", "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [1, True]}, 400, "list of integer token ids", "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [1, VOCAB]}, 400, "outside the vocabulary", "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [-1]}, 400, "outside the vocabulary", "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ["a", "b"]}, 400, "only one prompt", "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [7] * 300}, 400, "context", "prompt"),
+    (COMPLETIONS, {**OK, "echo": True}, 400, "echo is not supported", "echo"),
+    (COMPLETIONS, {**OK, "stream_options": {"include_usage": True}}, 400, "only allowed with stream",
+     "stream_options"),
+    (COMPLETIONS, {**OK, "session_id": ""}, 400, "at least 1 character", "session_id"),
+    (CHAT, {"model": MODEL}, 400, "Field required", "messages"),
+    (CHAT, {"model": MODEL, "messages": []}, 400, "non-empty list", "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role must be one of",
+     "messages.0.role"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "string or a list of text parts",
+     "messages.0.content"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "only n=1", "n"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,message,param", BAD_REQUESTS,
+                         ids=[f"{i}-{case[3][:24]}" for i, case in enumerate(BAD_REQUESTS)])
+def test_bad_request(server, path, body, status, message, param):
+    if isinstance(body, bytes):
+        response = httpx.post(f"{server}{path}", content=body, headers={"Content-Type": "application/json"})
+    else:
+        response = httpx.post(f"{server}{path}", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert message in error["message"], error
+    assert error["param"] == param
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert "Traceback" not in response.text
+
+
+def test_oversized_body_and_unknown_route(server):
+    huge = json.dumps({"model": MODEL, "prompt": "x" * (5 * 1024 * 1024)}).encode()
+    response = httpx.post(f"{server}{COMPLETIONS}", content=huge, headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and "larger than" in response.json()["error"]["message"]
+    missing = httpx.get(f"{server}/v1/nothing")
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
+    wrong_method = httpx.get(f"{server}{COMPLETIONS}")
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+
+def test_server_is_healthy_after_bad_requests(server, client):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    done = client.completions.create(model=MODEL, prompt="still here", max_tokens=4)
+    assert done.usage.completion_tokens >= 1
+    rejected = metrics(server)['pt2serve_requests_rejected_total{status="400"}']
+    assert rejected >= len([case for case in BAD_REQUESTS if case[2] == 400])
+
+
+# -- auth, load shedding, disconnects ------------------------------------------------------------------------
+
+
+def test_api_key_is_required_when_set(strict, server):
+    assert httpx.get(f"{strict}/health").status_code == 200  # never behind the key
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.get(f"{strict}/v1/models", headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{strict}/metrics").status_code == 401
+    assert httpx.post(f"{strict}{COMPLETIONS}", json=OK).status_code == 401
+    with openai.OpenAI(base_url=f"{strict}/v1", api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    with openai.OpenAI(base_url=f"{strict}/v1", api_key=API_KEY, max_retries=0) as good:
+        assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.prompt_tokens == 3
+    assert httpx.get(f"{server}/v1/models").status_code == 200  # the open server needs none
+
+
+LONG = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 100, "ignore_eos": True, "stream": True,
+        "temperature": 0.9, "seed": 3}
+
+
+@pytest.fixture
+def slow_engine(runner, monkeypatch):
+    """Each engine step takes at least 10 ms, so a long request is surely still running when the test acts."""
+    step = runner.executor.step
+
+    def slow_step(chunks):
+        time.sleep(0.01)
+        return step(chunks)
+
+    monkeypatch.setattr(runner.executor, "step", slow_step)
+
+
+def test_full_queue_answers_429(strict, slow_engine):
+    with httpx.Client(base_url=strict, headers=AUTH, timeout=30) as http:
+        with http.stream("POST", COMPLETIONS, json=LONG) as stream:
+            assert stream.status_code == 200
+            first = next(line for line in stream.iter_lines() if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+            rejected = httpx.post(f"{strict}{COMPLETIONS}", json=OK, headers=AUTH)
+            assert rejected.status_code == 429
+            assert rejected.headers["Retry-After"] == "1"
+            assert rejected.json()["error"]["type"] == "rate_limit_error"
+            lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+    deadline = time.monotonic() + 10
+    while True:  # the in-flight request has ended; the queue has room again
+        response = httpx.post(f"{strict}{COMPLETIONS}", json=OK, headers=AUTH)
+        if response.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert response.status_code == 200, response.text
+
+
+def test_disconnect_mid_stream_frees_cells(strict, slow_engine):
+    def cells_used() -> float:
+        return metrics(strict, AUTH)["pt2serve_kv_cells_used"]
+
+    baseline = cells_used()
+    cancelled = metrics(strict, AUTH).get('pt2serve_requests_total{finish_reason="cancelled"}', 0)
+    with httpx.Client(base_url=strict, headers=AUTH, timeout=30) as http:
+        with http.stream("POST", COMPLETIONS, json={**LONG, "max_tokens": 230}) as stream:
+            next(line for line in stream.iter_lines() if line.startswith("data: "))
+            assert cells_used() > baseline
+    deadline = time.monotonic() + 10
+    while cells_used() != baseline:
+        assert time.monotonic() < deadline, "the cells of a disconnected request were not freed"
+        time.sleep(0.05)
+    after = metrics(strict, AUTH)
+    assert after['pt2serve_requests_total{finish_reason="cancelled"}'] == cancelled + 1
+    assert after["pt2serve_requests_running"] == 0 and after["pt2serve_requests_waiting"] == 0
+
+
+# -- metrics and CLI ------------------------------------------------------------------------------------------
+
+
+def test_metrics_parse_and_count(server, client):
+    before = metrics(server)
+    done = client.completions.create(model=MODEL, prompt="count me", max_tokens=5, extra_body={"ignore_eos": True})
+    after = metrics(server)
+    assert after["pt2serve_prompt_tokens_total"] - before["pt2serve_prompt_tokens_total"] == done.usage.prompt_tokens
+    assert after["pt2serve_completion_tokens_total"] - before["pt2serve_completion_tokens_total"] == 5
+    assert after["pt2serve_time_to_first_token_seconds_count"] == before["pt2serve_time_to_first_token_seconds_count"] + 1
+    assert after["pt2serve_time_per_output_token_seconds_count"] >= 1
+    for gauge in ("pt2serve_requests_waiting", "pt2serve_requests_running", "pt2serve_kv_cells_used",
+                  "pt2serve_kv_cells_free", "pt2serve_prefix_cache_hit_rate"):
+        assert gauge in after
+    assert after["pt2serve_kv_cells_free"] > 0
+
+
+def test_cli_reports_a_missing_artifact_without_traceback(tmp_path):
+    missing = tmp_path / "missing.pt2"
+    result = subprocess.run([sys.executable, "-m", "pt2serve.cli", "serve-artifact", str(missing)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
