@@ -117,6 +117,47 @@ def inspect_command(
     console.print(table)
 
 
+@app.command("generate")
+def generate_command(
+    artifact: Path = typer.Argument(..., help="A .pt2 written by pt2serve export."),
+    prompt: str = typer.Option(..., help="Prompt text (or comma-separated token ids with --token-ids)."),
+    token_ids: bool = typer.Option(False, "--token-ids", help="Read --prompt as comma-separated token ids."),
+    max_new_tokens: int = typer.Option(32, help="Tokens to generate."),
+    temperature: float = typer.Option(0.0, help="0 for greedy."),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0, help="0 for no limit."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the request's sampler."),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: what the artifact was built for)."),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="Run static methods without CUDA graphs."),
+) -> None:
+    """Generate from a compiled artifact, streaming the text."""
+    from pt2serve.runtime.engine import open_runner
+    from pt2serve.runtime.executor import ExecutorConfig
+    from pt2serve.runtime.sampling import SamplingParams
+
+    try:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        runner = open_runner(artifact, device, ExecutorConfig(use_cuda_graphs=not no_cuda_graphs))
+    except Pt2ServeError as err:
+        fail(str(err))
+    try:
+        request = parse_sizes(prompt) if token_ids else prompt
+        handle = runner.submit(request, max_new_tokens=max_new_tokens, sampling=sampling)
+        for event in handle.events():
+            text = event.text if runner.tokenizer is not None else (
+                f"{event.token_id} " if event.token_id is not None else "")
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        done = handle.result()
+        sys.stdout.write("\n")
+        console.print(f"[dim]{done.stats.prompt_tokens} prompt tokens, {done.stats.completion_tokens} generated, "
+                      f"finish: {done.finish_reason.value}[/]")
+    except Pt2ServeError as err:
+        fail(str(err))
+    finally:
+        runner.close()
+
+
 def _register_subcommands() -> None:
     # Each module keeps heavy imports inside its command, so `pt2serve --help` stays quick.
     from pt2serve.bench.command import bench_command

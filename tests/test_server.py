@@ -382,14 +382,16 @@ def test_full_queue_answers_429(strict, slow_engine):
     with httpx.Client(base_url=strict, headers=AUTH, timeout=30) as http:
         with http.stream("POST", COMPLETIONS, json=LONG) as stream:
             assert stream.status_code == 200
-            first = next(line for line in stream.iter_lines() if line.startswith("data: "))
+            lines = stream.iter_lines()  # kept: closing this iterator would close the connection
+            first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
             rejected = httpx.post(f"{strict}{COMPLETIONS}", json=OK, headers=AUTH)
             assert rejected.status_code == 429
             assert rejected.headers["Retry-After"] == "1"
             assert rejected.json()["error"]["type"] == "rate_limit_error"
-            lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]"
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
     deadline = time.monotonic() + 10
     while True:  # the in-flight request has ended; the queue has room again
         response = httpx.post(f"{strict}{COMPLETIONS}", json=OK, headers=AUTH)
@@ -407,7 +409,8 @@ def test_disconnect_mid_stream_frees_cells(strict, slow_engine):
     cancelled = metrics(strict, AUTH).get('pt2serve_requests_total{finish_reason="cancelled"}', 0)
     with httpx.Client(base_url=strict, headers=AUTH, timeout=30) as http:
         with http.stream("POST", COMPLETIONS, json={**LONG, "max_tokens": 230}) as stream:
-            next(line for line in stream.iter_lines() if line.startswith("data: "))
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
             assert cells_used() > baseline
     deadline = time.monotonic() + 10
     while cells_used() != baseline:
