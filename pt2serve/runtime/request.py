@@ -62,6 +62,7 @@ class Request:
     cells: CellTable = field(default_factory=CellTable)
     num_computed: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    last_prefill_step: int = -1  # the step that last gave it a prefill chunk (-1: never)
     finish_reason: FinishReason | None = None
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)

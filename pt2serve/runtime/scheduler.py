@@ -3,8 +3,8 @@
 One rule drives it: each request's computed tokens catch up with its known tokens. Each step:
   1. decode: one token for each running request whose only pending token is its newest sample, up to
      `max_decode_sequences` (rotating, so all get turns), leaving room for prefill when prompts wait;
-  2. prefill: the rest of the token budget goes to pending prompts in round-robin order (the starting
-     request rotates every step), each taking a chunk, so no prompt starves.
+  2. prefill: the rest of the token budget goes to pending prompts, least recently served first, each
+     taking a chunk, so no prompt starves.
 Cells are allocated as tokens are scheduled; when the pool runs dry the prefix cache and idle sessions
 give theirs back first, then the most recently admitted request is preempted (recomputed later).
 
@@ -74,7 +74,6 @@ class Scheduler:
         self._waiting: deque[int] = deque()  # FIFO of requests holding no cells
         self._running: list[int] = []  # admission order (last = first preempted)
         self._decode_turn = 0
-        self._prefill_turn = 0
         self.step = 0
 
     # -- queue ---------------------------------------------------------------------------------------
@@ -129,12 +128,9 @@ class Scheduler:
 
     def _schedule_prefills(self, scheduled: dict[int, ScheduledChunk], budget: int) -> None:
         prefilling = [r for r in self._running if r not in scheduled and not self.requests[r].is_decoding]
-        candidates = prefilling + list(self._waiting)
-        if not candidates or budget <= 0:
-            return
-        self._prefill_turn %= len(candidates)
-        order = candidates[self._prefill_turn:] + candidates[:self._prefill_turn]
-        self._prefill_turn += 1
+        # Round-robin: the prompt served longest ago (never, for new arrivals) goes first.
+        order = sorted(prefilling + list(self._waiting),
+                       key=lambda r: (self.requests[r].last_prefill_step, r))
         for request_id in order:
             if budget <= 0:
                 break
@@ -151,6 +147,7 @@ class Scheduler:
                     self._unadmit(request)
                 break  # the pool is full: stop admitting
             scheduled[request_id] = self._chunk(request, count)
+            request.last_prefill_step = self.step
             budget -= count
 
     def _chunk(self, request: Request, count: int) -> ScheduledChunk:

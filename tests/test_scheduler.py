@@ -1,0 +1,181 @@
+"""Scheduler tests on plain data: hand-made executor outputs, no artifact, no device."""
+
+from __future__ import annotations
+
+import pytest
+
+from pt2serve.runtime.cells import CellAllocator
+from pt2serve.runtime.request import FinishReason, Request, RequestSpec, RequestStatus
+from pt2serve.runtime.sampling import RequestRandom
+from pt2serve.runtime.scheduler import Scheduler, SchedulerConfig
+
+NEXT_TOKEN = 5
+
+
+def make_scheduler(num_cells=4096, budget=64, max_decode=64, min_chunk=8, **kwargs) -> Scheduler:
+    config = SchedulerConfig(token_budget=budget, max_decode_sequences=max_decode, min_prefill_chunk=min_chunk,
+                             max_context=1024, **kwargs)
+    return Scheduler(config, CellAllocator(num_cells))
+
+
+_ids = iter(range(1, 1_000_000))
+
+
+def add_request(scheduler: Scheduler, prompt_len: int, max_new: int = 1000, **spec) -> Request:
+    prompt = tuple(range(1, prompt_len + 1))
+    request = Request(next(_ids), RequestSpec(prompt, max_new, **spec), list(prompt), RequestRandom(0))
+    scheduler.add(request)
+    return request
+
+
+def run_step(scheduler: Scheduler):
+    """Plan, then commit as if the executor sampled NEXT_TOKEN wherever asked."""
+    plan = scheduler.plan()
+    tokens = tuple(NEXT_TOKEN if chunk.samples else None for chunk in plan.chunks)
+    return plan, scheduler.commit(plan, tokens)
+
+
+def test_decode_first_then_prefill_fills_budget():
+    scheduler = make_scheduler(budget=16, min_chunk=4)
+    decoders = [add_request(scheduler, 3) for _ in range(4)]
+    while not all(r.is_decoding for r in decoders):
+        run_step(scheduler)
+    add_request(scheduler, 100)
+    plan, _ = run_step(scheduler)
+    assert plan.num_decode == 4
+    assert [c.num_tokens for c in plan.chunks[:4]] == [1, 1, 1, 1]
+    assert plan.num_tokens == 16  # the prompt takes the 12 tokens left
+    assert not plan.chunks[-1].samples
+
+
+def test_chunked_prefill_samples_only_at_the_end():
+    scheduler = make_scheduler(budget=10, min_chunk=1)
+    request = add_request(scheduler, 25)
+    plans = [run_step(scheduler)[0] for _ in range(3)]
+    assert [p.chunks[0].num_tokens for p in plans] == [10, 10, 5]
+    assert [p.chunks[0].samples for p in plans] == [False, False, True]
+    assert request.tokens[-1] == NEXT_TOKEN and request.is_decoding
+
+
+def test_no_waiting_prompt_starves_while_32_sequences_decode():
+    scheduler = make_scheduler(budget=64, max_decode=64, min_chunk=16)
+    for _ in range(32):
+        add_request(scheduler, 4)
+    for _ in range(3):
+        run_step(scheduler)
+    waiting = [add_request(scheduler, 200) for _ in range(6)]
+    first_step = {}
+    for _ in range(60):
+        plan, _ = run_step(scheduler)
+        assert plan.num_decode <= 64 - 16 or not any(not r.is_decoding for r in waiting)
+        for chunk in plan.chunks:
+            first_step.setdefault(chunk.request_id, plan.step)
+    arrival = waiting[0].stats.arrival_step
+    # Round-robin: every waiting prompt gets its first chunk within a handful of steps.
+    assert all(first_step[r.id] - arrival <= len(waiting) + 1 for r in waiting)
+    # ... and all of them finish prefill while the 32 keep decoding.
+    assert all(r.num_computed >= r.num_prompt for r in waiting)
+
+
+def test_decode_cap_rotates_decoders():
+    scheduler = make_scheduler(budget=8, max_decode=4, min_chunk=1)
+    requests = [add_request(scheduler, 1) for _ in range(8)]
+    run_step(scheduler)  # all 8 prompts of 1 token prefill together (8 tokens)
+    counts = {r.id: 0 for r in requests}
+    for _ in range(6):
+        plan, _ = run_step(scheduler)
+        assert plan.num_decode == 4
+        for chunk in plan.chunks:
+            counts[chunk.request_id] += 1
+    assert set(counts.values()) == {3}
+
+
+def test_finish_by_length_and_stop_token_frees_cells():
+    scheduler = make_scheduler()
+    by_length = add_request(scheduler, 5, max_new=3)
+    by_stop = add_request(scheduler, 5, stop_token_ids=frozenset({NEXT_TOKEN}))
+    events = []
+    while scheduler.has_work():
+        events += run_step(scheduler)[1]
+    reasons = {e.request_id: e.finish_reason for e in events if e.finish_reason}
+    assert reasons == {by_length.id: FinishReason.LENGTH, by_stop.id: FinishReason.STOP}
+    assert by_length.stats.completion_tokens == 3
+    assert scheduler.allocator.num_used == 0
+
+
+def test_preemption_when_the_pool_runs_dry_recomputes_later():
+    scheduler = make_scheduler(num_cells=40, budget=32, min_chunk=1)
+    a = add_request(scheduler, 15, max_new=10)
+    b = add_request(scheduler, 15, max_new=10)
+    finished = set()
+    for _ in range(200):
+        if not scheduler.has_work():
+            break
+        for event in run_step(scheduler)[1]:
+            if event.finish_reason:
+                finished.add(event.request_id)
+    assert finished == {a.id, b.id}
+    assert a.stats.completion_tokens == b.stats.completion_tokens == 10
+    assert scheduler.allocator.num_used == 0
+
+
+def test_failed_step_fails_only_its_requests():
+    scheduler = make_scheduler(budget=4, min_chunk=4)
+    first = add_request(scheduler, 4)
+    second = add_request(scheduler, 4)
+    plan = scheduler.plan()
+    assert [c.request_id for c in plan.chunks] == [first.id]
+    assert scheduler.fail(plan, "boom") == [first.id]
+    assert first.finish_reason is FinishReason.ERROR and first.error == "boom"
+    assert second.status is RequestStatus.WAITING
+    while scheduler.has_work():
+        run_step(scheduler)
+    assert second.stats.completion_tokens > 0
+
+
+def test_session_reuse_and_reset():
+    scheduler = make_scheduler(max_sessions=4)
+    first = add_request(scheduler, 10, max_new=3, session_id="s")
+    while scheduler.has_work():
+        run_step(scheduler)
+    history = first.tokens  # 10 prompt + 3 generated; the last one was never computed
+    second = add_request_with(scheduler, history + [7, 8], session_id="s")
+    run_step(scheduler)
+    assert second.stats.reused_tokens == 12
+    assert second.stats.prefilled_tokens == 3
+    while scheduler.has_work():
+        run_step(scheduler)
+    other = add_request_with(scheduler, [9, 9, 9], session_id="s")  # does not extend: reset
+    run_step(scheduler)
+    assert other.stats.reused_tokens == 0
+    while scheduler.has_work():
+        run_step(scheduler)
+    scheduler.sessions.clear()
+    assert scheduler.allocator.num_used == 0
+
+
+def test_prefix_cache_reuses_longest_prefix_and_evicts_lru():
+    scheduler = make_scheduler(prefix_cache_entries=2)
+    first = add_request_with(scheduler, list(range(1, 21)), max_new=2)
+    while scheduler.has_work():
+        run_step(scheduler)
+    second = add_request_with(scheduler, list(range(1, 16)) + [99, 98], max_new=2)
+    run_step(scheduler)
+    assert second.stats.reused_tokens == 15
+    while scheduler.has_work():
+        run_step(scheduler)
+    assert scheduler.prefix_cache.hit_rate == pytest.approx(1 / 2)
+    for start in (500, 600, 700):
+        add_request_with(scheduler, list(range(start, start + 5)), max_new=1)
+        while scheduler.has_work():
+            run_step(scheduler)
+    assert len(scheduler.prefix_cache) == 2
+    scheduler.prefix_cache.clear()
+    assert scheduler.allocator.num_used == 0
+    del first
+
+
+def add_request_with(scheduler: Scheduler, prompt: list[int], max_new: int = 4, **spec) -> Request:
+    request = Request(next(_ids), RequestSpec(tuple(prompt), max_new, **spec), list(prompt), RequestRandom(0))
+    scheduler.add(request)
+    return request
