@@ -415,7 +415,10 @@ def test_interrupted_export_leaves_no_file(tmp_path):
             "--max-context", str(TEST_MAX_CONTEXT), "--max-step-tokens", str(TEST_MAX_STEP_TOKENS),
             "--max-cells", str(TEST_MAX_CELLS), "-o", str(out)]
     with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr, cwd=tmp_path)
+        # A shell's background jobs start with SIGINT ignored; give the child the default disposition so
+        # Python installs its KeyboardInterrupt handler.
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr, cwd=tmp_path,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             # Wait until compiling has started (the progress bar appears), then a little into it.
             deadline = time.monotonic() + 120
@@ -432,6 +435,7 @@ def test_interrupted_export_leaves_no_file(tmp_path):
                 proc.kill()
                 proc.wait()
     assert returncode != 0
+    assert "Traceback" not in stderr_path.read_text()
     assert not out.exists()
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{out.stem}.")]
     assert leftovers == [], leftovers

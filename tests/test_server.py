@@ -294,6 +294,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": [1, VOCAB]}, 400, "outside the vocabulary", "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": [-1]}, 400, "outside the vocabulary", "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": ["a", "b"]}, 400, "only one prompt", "prompt"),
+    (COMPLETIONS, b'{"prompt": "a\\ud800"}', 400, "not valid Unicode", "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": [7] * 300}, 400, "context", "prompt"),
     (COMPLETIONS, {**OK, "echo": True}, 400, "echo is not supported", "echo"),
     (COMPLETIONS, {**OK, "stream_options": {"include_usage": True}}, 400, "only allowed with stream",
@@ -306,6 +307,7 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "string or a list of text parts",
      "messages.0.content"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "only n=1", "n"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "not valid Unicode", "messages.0.content"),
 ]
 
 
@@ -401,24 +403,38 @@ def test_full_queue_answers_429(strict, slow_engine):
     assert response.status_code == 200, response.text
 
 
-def test_disconnect_mid_stream_frees_cells(strict, slow_engine):
-    def cells_used() -> float:
-        return metrics(strict, AUTH)["pt2serve_kv_cells_used"]
+def cells_used(url: str) -> float:
+    return metrics(url, AUTH)["pt2serve_kv_cells_used"]
 
-    baseline = cells_used()
+
+def assert_cancelled_and_freed(url: str, baseline: float, cancelled_before: float) -> None:
+    deadline = time.monotonic() + 10
+    while cells_used(url) != baseline:
+        assert time.monotonic() < deadline, "the cells of a disconnected request were not freed"
+        time.sleep(0.05)
+    after = metrics(url, AUTH)
+    assert after['pt2serve_requests_total{finish_reason="cancelled"}'] == cancelled_before + 1
+    assert after["pt2serve_requests_running"] == 0 and after["pt2serve_requests_waiting"] == 0
+
+
+def test_disconnect_mid_stream_frees_cells(strict, slow_engine):
+    baseline = cells_used(strict)
     cancelled = metrics(strict, AUTH).get('pt2serve_requests_total{finish_reason="cancelled"}', 0)
     with httpx.Client(base_url=strict, headers=AUTH, timeout=30) as http:
         with http.stream("POST", COMPLETIONS, json={**LONG, "max_tokens": 230}) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if line.startswith("data: "))
-            assert cells_used() > baseline
-    deadline = time.monotonic() + 10
-    while cells_used() != baseline:
-        assert time.monotonic() < deadline, "the cells of a disconnected request were not freed"
-        time.sleep(0.05)
-    after = metrics(strict, AUTH)
-    assert after['pt2serve_requests_total{finish_reason="cancelled"}'] == cancelled + 1
-    assert after["pt2serve_requests_running"] == 0 and after["pt2serve_requests_waiting"] == 0
+            assert cells_used(strict) > baseline
+    assert_cancelled_and_freed(strict, baseline, cancelled)
+
+
+def test_disconnect_while_waiting_for_a_whole_completion(strict, slow_engine):
+    baseline = cells_used(strict)
+    cancelled = metrics(strict, AUTH).get('pt2serve_requests_total{finish_reason="cancelled"}', 0)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{strict}{COMPLETIONS}", json={**LONG, "stream": False, "max_tokens": 230}, headers=AUTH,
+                   timeout=httpx.Timeout(30, read=0.5))
+    assert_cancelled_and_freed(strict, baseline, cancelled)
 
 
 # -- metrics and CLI ------------------------------------------------------------------------------------------
@@ -430,7 +446,8 @@ def test_metrics_parse_and_count(server, client):
     after = metrics(server)
     assert after["pt2serve_prompt_tokens_total"] - before["pt2serve_prompt_tokens_total"] == done.usage.prompt_tokens
     assert after["pt2serve_completion_tokens_total"] - before["pt2serve_completion_tokens_total"] == 5
-    assert after["pt2serve_time_to_first_token_seconds_count"] == before["pt2serve_time_to_first_token_seconds_count"] + 1
+    ttft = "pt2serve_time_to_first_token_seconds_count"
+    assert after[ttft] == before[ttft] + 1
     assert after["pt2serve_time_per_output_token_seconds_count"] >= 1
     for gauge in ("pt2serve_requests_waiting", "pt2serve_requests_running", "pt2serve_kv_cells_used",
                   "pt2serve_kv_cells_free", "pt2serve_prefix_cache_hit_rate"):

@@ -15,6 +15,7 @@ from pt2serve.contract import FORMAT_VERSION, internal_model_name
 from pt2serve.export.compile import CompileJob, compile_all
 from pt2serve.export.methods import method_specs
 from pt2serve.export.options import ExportOptions
+from pt2serve.export.toolchain import warn_if_mismatched_libstdcxx
 from pt2serve.export.package import weight_entries, weights_hash, write_package
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.model import Transformer
@@ -32,6 +33,8 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     """Build the artifact described by `options`; raises Pt2ServeError on bad input before compiling."""
     started = time.perf_counter()
     options.validate()
+    if options.backend == "cuda":
+        warn_if_mismatched_libstdcxx()
     checkpoint = str(options.checkpoint) if options.checkpoint is not None else None
     config, model, tokenizer = load_model(checkpoint, options.preset, options.torch_dtype, options.device)
     model.eval()

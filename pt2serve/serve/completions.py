@@ -115,7 +115,7 @@ async def _respond(request: Request, generation: Generation, fmt: ChatFormat | C
         return Response(status_code=499)  # nobody is listening any more
     reason = FINISH_REASONS.get(generation.finish_reason)
     if reason is None:
-        raise _ended_badly(generation)
+        return _ended_badly(generation).response()
     body = fmt.body(generation.text, reason, generation.usage(), list(generation.token_ids) if token_ids else None)
     return JSONResponse(body)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -44,6 +45,10 @@ class BackgroundLoader:
             runner.close()
             return
         attach_runner(self._app, runner, owns_runner=True)
+        # What is loaded now (torch, the model) lives as long as the process: keep it out of the cyclic
+        # collector's full scans, which would otherwise stall requests (and exit) for a noticeable time.
+        gc.collect()
+        gc.freeze()
         while not self._server.started and not self._server.should_exit:
             time.sleep(0.02)
         if self._server.started:

@@ -163,7 +163,7 @@ def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
         if not value:
             raise bad_request("prompt must not be empty", "prompt")
-        return value
+        return _text(value, "prompt")
     if isinstance(value, list):
         if not value:
             raise bad_request("prompt must not be empty", "prompt")
@@ -195,15 +195,24 @@ def _content(value: Any, where: str) -> str:
     if value is None:
         return ""
     if isinstance(value, str):
-        return value
+        return _text(value, where)
     if isinstance(value, list):
         texts = []
         for part in value:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise bad_request(f"{where}: only text content parts are supported", where)
             texts.append(part["text"])
-        return "".join(texts)
+        return _text("".join(texts), where)
     raise bad_request(f"{where} must be a string or a list of text parts", where)
+
+
+def _text(value: str, where: str) -> str:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer takes: refuse them here."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{where} is not valid Unicode (it has a lone surrogate)", where) from None
+    return value
 
 
 def _stop(value: Any) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """On a GPU: decode step time of an artifact at a few widths, next to eager PyTorch and the bandwidth floor.
 
 Usage: python scripts/device/decode_timing.py ARTIFACT.pt2 PRESET
+       python scripts/device/decode_timing.py --eager-only PRESET   (the eager PyTorch peer alone)
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def eager_decode_ms(preset: str, dtype: torch.dtype) -> float:
 
 def main() -> None:
     path, preset = sys.argv[1], sys.argv[2]
+    if path == "--eager-only":
+        print(f"eager PyTorch {preset} bf16 T=1 (context {CONTEXT}): {eager_decode_ms(preset, torch.bfloat16):.2f} ms/step")
+        return
     bandwidth = copy_bandwidth()
     artifact = load_artifact(path)
     executor = Executor(artifact, ExecutorConfig(num_cells=65536))
