@@ -3,10 +3,11 @@ metadata, and the CLI's refusals of bad input (which happen before any compile w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -29,7 +30,8 @@ from pt2serve.contract import (
     forward_name,
 )
 from pt2serve.export.exporter import model_weights
-from pt2serve.export.options import DEFAULT_FORWARD_SIZES, DEFAULT_MIN_PREFILL_CHUNK
+from pt2serve.export.methods import MethodSpec, trace_forward
+from pt2serve.export.options import DEFAULT_FORWARD_SIZES, DEFAULT_MIN_PREFILL_CHUNK, ExportOptions
 from pt2serve.export.package import weights_hash
 from pt2serve.model.eager import EagerSequence
 from pt2serve.model.presets import build_preset_model, byte_tokenizer_files, get_preset
@@ -177,6 +179,57 @@ def test_forward_others_matches_eager(artifact, model, num_real):
     check_parity(artifact, model, call, seed=num_real)
 
 
+@contextlib.contextmanager
+def aoti_input_checks():
+    """Make compiled methods check every input's shape against the bounds they were compiled for.
+
+    AOTInductor reads AOTI_RUNTIME_CHECK_INPUTS once per loaded method, at its first run; a fresh load
+    inside this block therefore checks, while artifacts loaded and run elsewhere are unaffected.
+    """
+    old = os.environ.get("AOTI_RUNTIME_CHECK_INPUTS")
+    os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["AOTI_RUNTIME_CHECK_INPUTS"]
+        else:
+            os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = old
+
+
+@pytest.mark.parametrize("num_real, num_seqs", [(1, 1), (2, 2), (TEST_MAX_STEP_TOKENS - 1, 2),
+                                                (TEST_MAX_STEP_TOKENS, 1), (TEST_MAX_STEP_TOKENS, 3)])
+def test_forward_others_inputs_stay_within_compiled_bounds(tiny_artifact, model, num_real, num_seqs):
+    """The runtime sends forward_others up to max_step_tokens real tokens (executor.slice_step); with its
+    padding token and padding sequence the inputs must still lie inside the dims the method was compiled
+    for, or the method runs outside what Inductor assumed (AOTInductor's own input checks say so)."""
+    with aoti_input_checks():
+        strict = load_artifact(tiny_artifact)
+        rng = np.random.default_rng(num_real)
+        lengths = split_width(rng, num_real, num_seqs)
+        chunks = random_chunks(rng, lengths, POOL_CELLS, model.config.vocab_size, sample_every=1)
+        call = pack(list(enumerate(chunks)), FORWARD_OTHERS, None, None)
+        k_pools, v_pools = random_pools(model.config, POOL_CELLS, seed=0)
+        logits = strict.run(FORWARD_OTHERS, [*split_inputs(call), *k_pools, *v_pools])[0]
+    assert logits.shape == (call.sizes[6], model.config.vocab_size)
+
+
+def test_every_flag_set_that_validates_can_be_traced(model):
+    """Bad flags must fail in validate(), before compile work: what validate() accepts must trace.
+
+    forward sizes (1,) with max step tokens 2 is accepted, but forward_others is traced with a tokens
+    dim of min 2 and max max_step_tokens, which torch.export refuses for max 2.
+    """
+    options = ExportOptions(backend="cpu", output=Path("/tmp/unused.pt2"), preset="tiny", forward_sizes=(1,),
+                            max_step_tokens=2, max_cells=TEST_MAX_CELLS, max_context=TEST_MAX_CONTEXT)
+    options.validate()
+    options.validate_for_model(model.config.max_position_embeddings)
+    try:
+        trace_forward(model, MethodSpec(FORWARD_OTHERS), options.max_step_tokens, options.max_cells)
+    except Exception as err:  # noqa: BLE001 - any failure here is the bug
+        pytest.fail(f"validate() accepted flags that cannot be traced: {type(err).__name__}: {err}")
+
+
 def test_every_method_is_loaded_by_name(artifact):
     expected = {forward_name(n) for n in STATIC_SIZES} | {FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX}
     assert set(artifact.runners) == expected
@@ -277,6 +330,15 @@ def test_package_size_and_weights_stored_once(tiny_artifact, model):
     accounted = sum(per_method.values()) + sum(i.compress_size for i in weight_records)
     others = sum(i.compress_size for i in infos) - accounted
     assert others < 200_000, f"{others} B in records that are neither weights nor methods"
+
+
+def test_package_is_readable_like_any_new_file(tiny_artifact):
+    """The package gets the permissions of an ordinary new file (0666 minus the umask), so the user or
+    service that serves it can read it; a temporary file's private 0600 must not leak into the result."""
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = stat.S_IMODE(tiny_artifact.stat().st_mode)
+    assert mode == 0o666 & ~umask, f"package mode {oct(mode)}, expected {oct(0o666 & ~umask)} (umask {oct(umask)})"
 
 
 # ------------------------------------------------------------------------------------ metadata

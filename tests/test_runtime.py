@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS
-from pt2serve.contract import FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, SCRATCH_CELL, WEIGHTS_PREFIX, forward_name
+from pt2serve.contract import FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, SCRATCH_CELL, forward_name
 from pt2serve.model.eager import EagerSequence, greedy_generate
 from pt2serve.model.presets import build_preset_model, toy_greedy_continuation, toy_successor
 from pt2serve.runtime.artifact import load_artifact, read_metadata
@@ -152,6 +152,33 @@ def test_every_step_width(executor):
         retire(seq)
     assert allocator.num_used == 0
     assert allocator.num_free == allocator.capacity
+
+
+def test_widest_steps_stay_within_compiled_bounds(toy_artifact):
+    """Steps of max_step_tokens tokens (and wider ones, sliced) run forward_others with inputs inside the
+    dims it was compiled for. AOTInductor checks that when AOTI_RUNTIME_CHECK_INPUTS is set at a method's
+    first run, so a fresh load is made and run with it set (other loads are unaffected)."""
+    old = os.environ.get("AOTI_RUNTIME_CHECK_INPUTS")
+    os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
+    try:
+        strict = Executor(load_artifact(toy_artifact))
+        rng = random.Random(8)
+        for lengths in ([TEST_MAX_STEP_TOKENS], [100, TEST_MAX_STEP_TOKENS - 100], [TEST_MAX_STEP_TOKENS + 22]):
+            chunks, seqs = [], []
+            for length in lengths:
+                seq = new_sequence(rng, length)
+                seq.table.append(strict.allocator.allocate(length))
+                chunks.append(Chunk(seq.table.cells, tuple(seq.tokens[:length]), 0, GREEDY))
+                seqs.append(seq)
+            result = strict.step(chunks)
+            assert result.tokens == tuple(toy_successor(s.tokens[len(c.tokens) - 1]) for s, c in zip(seqs, chunks))
+            for seq in seqs:
+                strict.allocator.free(seq.table.cells.copy())
+    finally:
+        if old is None:
+            del os.environ["AOTI_RUNTIME_CHECK_INPUTS"]
+        else:
+            os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = old
 
 
 def test_designed_calls_cover_every_method():

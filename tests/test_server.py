@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -338,11 +340,33 @@ def test_oversized_body_and_unknown_route(server):
 
 
 def test_server_is_healthy_after_bad_requests(server, client):
+    key = 'pt2serve_requests_rejected_total{status="400"}'
+    before = metrics(server).get(key, 0)
+    with httpx.Client(base_url=server) as http:  # the whole table again, back to back on one connection
+        for path, body, *_ in BAD_REQUESTS:
+            http.post(path, **({"content": body} if isinstance(body, bytes) else {"json": body}))
+    assert metrics(server)[key] - before == sum(1 for case in BAD_REQUESTS if case[2] == 400)
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
     done = client.completions.create(model=MODEL, prompt="still here", max_tokens=4)
     assert done.usage.completion_tokens >= 1
-    rejected = metrics(server)['pt2serve_requests_rejected_total{status="400"}']
-    assert rejected >= len([case for case in BAD_REQUESTS if case[2] == 400])
+
+
+def test_engine_failure_is_an_error_without_details(server, client, runner, monkeypatch):
+    def broken_step(chunks):
+        raise RuntimeError("device exploded at 0xdeadbeef")
+
+    errors_before = metrics(server).get('pt2serve_requests_total{finish_reason="error"}', 0)
+    monkeypatch.setattr(runner.executor, "step", broken_step)
+    response = httpx.post(f"{server}{COMPLETIONS}", json=OK)
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and error["code"] == "generation_failed"
+    assert "deadbeef" not in response.text
+    with pytest.raises(openai.APIError, match="failed while generating"):
+        list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True))
+    monkeypatch.undo()
+    assert client.completions.create(model=MODEL, prompt="recovered", max_tokens=2).usage.completion_tokens >= 1
+    assert metrics(server)['pt2serve_requests_total{finish_reason="error"}'] - errors_before == 2
 
 
 # -- auth, load shedding, disconnects ------------------------------------------------------------------------
@@ -453,6 +477,27 @@ def test_metrics_parse_and_count(server, client):
                   "pt2serve_kv_cells_free", "pt2serve_prefix_cache_hit_rate"):
         assert gauge in after
     assert after["pt2serve_kv_cells_free"] > 0
+
+
+def test_cli_serves_until_interrupted(tiny_artifact):
+    command = [sys.executable, "-m", "pt2serve.cli", "serve-artifact", str(tiny_artifact), "--port", "0",
+               "--model-name", "cli-model", "--api-key", API_KEY]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+        ready = lines.get(timeout=90)  # the first line is printed once the model is loaded
+        assert ready.startswith("serving cli-model at http://127.0.0.1:") and ready.rstrip().endswith("(ready)")
+        base = ready.split(" at ")[1].split()[0]  # http://127.0.0.1:PORT/v1
+        root = base.removesuffix("/v1")
+        assert httpx.get(f"{root}/health").json() == {"status": "ok"}
+        with openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0) as cli_client:
+            done = cli_client.completions.create(model="cli-model", prompt="hi", max_tokens=3)
+            assert done.usage.prompt_tokens == 3 and done.model == "cli-model"
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    assert "Traceback" not in stderr
 
 
 def test_cli_reports_a_missing_artifact_without_traceback(tmp_path):

@@ -18,7 +18,7 @@ from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import Artifact
 from pt2serve.runtime.cells import CellAllocator, allocate_kv_pools, cells_that_fit
 from pt2serve.runtime.graphs import capture_all
-from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, slice_step
+from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, regions, slice_step
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class Executor:
         if call.width is not None:
             return self._static[call.method].forward(call.host)
         device_inputs = torch.from_numpy(call.host).to(self.device)
-        inputs = list(torch.split(device_inputs, list(call.sizes)))
+        inputs = regions(device_inputs, call.sizes)
         return self._run(call.method, [*inputs, *self.pools])[0]
 
     def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> list[int]:

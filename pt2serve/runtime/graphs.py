@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pt2serve.contract import FORWARD_INPUTS
-from pt2serve.runtime.step import MethodCall
+from pt2serve.runtime.step import MethodCall, region_offsets, regions
 
 
 @dataclass
@@ -28,12 +28,12 @@ class StaticBuffers:
 
     @classmethod
     def allocate(cls, sizes: tuple[int, ...], device: torch.device) -> "StaticBuffers":
-        total = sum(sizes)
+        total = region_offsets(sizes)[1]
         device_buffer = torch.zeros(total, dtype=torch.int64, device=device)
         pinned = device.type == "cuda"
         host_staging = torch.zeros(total, dtype=torch.int64, pin_memory=pinned)
         copied = torch.cuda.Event() if pinned else None
-        return cls(device_buffer, host_staging, list(torch.split(device_buffer, list(sizes))), copied)
+        return cls(device_buffer, host_staging, regions(device_buffer, sizes), copied)
 
     def load(self, host: np.ndarray) -> None:
         """Copy a packed step into the buffer (asynchronously on CUDA; stream order keeps it safe)."""

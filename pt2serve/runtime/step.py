@@ -6,6 +6,9 @@ captured graph reads them from fixed-address slices of one buffer:
 
     [ tokens T | positions T | write_cells T | token_seq T | seq_indptr R+1 | seq_cells E | logit_rows S ]
 
+Each region starts on a 128-byte boundary (REGION_ALIGN elements): compiled GPU kernels assume
+aligned inputs, as the separate tensors they were traced with were.
+
 Padding keeps every shape valid: padding tokens form their own sequence (row R_real), sit at position 0,
 write the scratch cell and see only it, so they never touch real cells and never produce NaN.
 """
@@ -18,6 +21,24 @@ import numpy as np
 
 from pt2serve.contract import FORWARD_OTHERS, SCRATCH_CELL, forward_name
 from pt2serve.runtime.sampling import SamplingParams
+
+
+REGION_ALIGN = 16  # int64 elements: 128 bytes
+
+
+def region_offsets(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """Start of each input region in the packed array, and the array's length."""
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += -(-size // REGION_ALIGN) * REGION_ALIGN
+    return tuple(offsets), at
+
+
+def regions(packed, sizes: tuple[int, ...]) -> list:
+    """The input regions of a packed array or tensor, as views."""
+    offsets, _ = region_offsets(sizes)
+    return [packed[start:start + size] for start, size in zip(offsets, sizes)]
 
 
 @dataclass(frozen=True)
@@ -103,10 +124,8 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_
     sampled = [i for i, c in enumerate(chunks) if c.sampling is not None]
     num_logit_rows = width if width is not None else max(2, len(sampled))
     sizes = (num_tokens,) * 4 + (num_rows_seq + 1, num_entries, num_logit_rows)
-    host = np.zeros(sum(sizes), dtype=np.int64)
-    tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = np.split(
-        host, np.cumsum(sizes)[:-1]
-    )
+    host = np.zeros(region_offsets(sizes)[1], dtype=np.int64)
+    tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = regions(host, sizes)
     at = entry_at = 0
     for row, chunk in enumerate(chunks):
         count = len(chunk.tokens)

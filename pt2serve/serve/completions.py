@@ -134,9 +134,7 @@ async def _stream(generation: Generation, fmt: ChatFormat | CompletionFormat,
         reason = FINISH_REASONS.get(event.finish_reason)
         if reason is None:
             yield sse(_ended_badly(generation).body())
-        else:
-            if event.token_id is None and event.text:  # text held back for a stop string that never came
-                yield sse(fmt.chunk(event.text, first, include_usage))
+        else:  # a clean end always comes with the last token, which carries any held-back text
             yield sse(fmt.finish_chunk(reason, include_usage))
             if include_usage:
                 yield sse(fmt.usage_chunk(generation.usage()))

@@ -48,7 +48,12 @@ def run_widths(executor: Executor, seed: int) -> tuple[list, list, float]:
             outputs.append(("expect", truth[start + length] if wants else None))
         result = executor.step(chunks)
         outputs.extend(("got", t) for t in result.tokens)
-        methods.append(tuple(c.method for c in result.calls))
+        step_methods = tuple(c.method for c in result.calls)
+        methods.append(step_methods)
+        expected = [v for k, v in outputs[-2 * len(chunks):-len(chunks)]]
+        wrong = sum(e != g for e, g in zip(expected, result.tokens))
+        if wrong:
+            print(f"width {width} via {'+'.join(step_methods)}: {wrong} of {len(chunks)} outputs differ")
         for cells in held:
             executor.allocator.free(cells)
     if executor.device.type == "cuda":
@@ -63,7 +68,7 @@ def main() -> None:
     rows = []
     results = {}
     for use_graphs in (True, False):
-        executor = Executor(artifact, ExecutorConfig(num_cells=8192, use_cuda_graphs=use_graphs))
+        executor = Executor(artifact, ExecutorConfig(num_cells=4096, use_cuda_graphs=use_graphs))
         mem = executor.memory
         outputs, methods, seconds = run_widths(executor, seed=0)
         expected = [v for k, v in outputs if k == "expect"]
