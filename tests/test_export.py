@@ -37,7 +37,7 @@ from pt2serve.model.eager import EagerSequence
 from pt2serve.model.presets import build_preset_model, byte_tokenizer_files, get_preset
 from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.sampling import SamplingParams
-from pt2serve.runtime.step import Chunk, choose_method, pack
+from pt2serve.runtime.step import Chunk, choose_method, pack, regions
 
 PT2SERVE = str(Path(sys.executable).with_name("pt2serve"))
 TOLERANCE = 1e-4
@@ -80,10 +80,10 @@ def clone_pools(pools):
 
 
 def split_inputs(call) -> list[torch.Tensor]:
-    host = torch.from_numpy(call.host.copy())
-    inputs = list(torch.split(host, list(call.sizes)))
+    """The packed host array's input regions (step.regions), each as its own tensor."""
+    inputs = regions(torch.from_numpy(call.host.copy()), call.sizes)
     assert len(inputs) == len(FORWARD_INPUTS)
-    return [t.contiguous() for t in inputs]
+    return [t.clone() for t in inputs]
 
 
 def random_chunks(rng: np.random.Generator, lengths: list[int], num_cells: int, vocab: int,

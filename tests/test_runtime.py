@@ -26,7 +26,7 @@ from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.cells import CellAllocator, CellTable
 from pt2serve.runtime.executor import Executor
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
-from pt2serve.runtime.step import Chunk, pack
+from pt2serve.runtime.step import Chunk, pack, regions
 
 VOCAB = 258
 GREEDY = SamplingParams()
@@ -425,7 +425,7 @@ def test_clone_sees_the_shared_prefix(executor, toy_model):
     token = rng.randrange(VOCAB)
     clone.append(allocator.allocate(1))
     call = pack([(0, Chunk(clone.cells, (token,), shared + len(branch), GREEDY))], FORWARD_OTHERS, None, None)
-    inputs = list(torch.split(torch.from_numpy(call.host), list(call.sizes)))
+    inputs = regions(torch.from_numpy(call.host), call.sizes)
     logits = executor.artifact.run(FORWARD_OTHERS, [*inputs, *executor.pools])[0][0]
     expected = EagerSequence(toy_model, 32).extend(prompt[:shared] + branch + [token])[-1]
     assert (logits - expected).abs().max().item() <= 1e-4
