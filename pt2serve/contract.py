@@ -30,6 +30,8 @@ SAMPLE = "sample"
 SAMPLE_ARGMAX = "sample_argmax"
 
 # Inputs of every forward method, in order, followed by the K pools then the V pools (one per layer).
+# forward_N takes exactly N tokens; forward_others takes 2 .. max_step_tokens + 1 (one padding token
+# in its own sequence keeps every dynamic dim at its traced minimum).
 FORWARD_INPUTS = (
     "tokens",  # [T] int64
     "positions",  # [T] int64

@@ -50,7 +50,9 @@ def trace_forward(model: Transformer, spec: MethodSpec, max_step_tokens: int, ma
     cfg = model.config
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     static = spec.width is not None
-    num_tokens = spec.width if static else max(3, min(max_step_tokens, 80))
+    # forward_others takes up to max_step_tokens real tokens plus the one padding token the runtime adds.
+    max_tokens = max_step_tokens + 1
+    num_tokens = spec.width if static else max(3, min(max_tokens, 80))
     num_seqs = num_tokens if static else 2
     num_entries = spec.num_entries if static else num_tokens + 5
     num_cells = max(num_tokens + 2, 8)
@@ -65,11 +67,11 @@ def trace_forward(model: Transformer, spec: MethodSpec, max_step_tokens: int, ma
         token_dims = indptr_dims = entry_dims = row_dims = None
     else:
         # Min 2 (a size-1 example would specialize); the runtime may still run T = 1 on it.
-        tokens_dim = Dim("tokens", min=2, max=max_step_tokens)
+        tokens_dim = Dim("tokens", min=2, max=max_tokens)
         token_dims = {0: tokens_dim}
-        indptr_dims = {0: Dim("seqs_plus_one", min=3, max=max_step_tokens + 2)}
+        indptr_dims = {0: Dim("seqs_plus_one", min=3, max=max_tokens + 1)}
         entry_dims = {0: Dim("entries", min=2)}
-        row_dims = {0: Dim("rows", min=2, max=max_step_tokens)}
+        row_dims = {0: Dim("rows", min=2, max=max_tokens)}
     dynamic_shapes = (
         token_dims, token_dims, token_dims, token_dims, indptr_dims, entry_dims, row_dims, pool_dims, pool_dims,
     )

@@ -58,8 +58,9 @@ class CellAllocator:
         """Drop one hold on each cell; cells nobody holds return to the free list."""
         if len(cells) == 0:
             return
-        if np.any(cells == SCRATCH_CELL) or np.any(self._refcount[cells] <= 0):
-            raise ValueError("freeing a cell that is not held")
+        held, count = np.unique(cells, return_counts=True)
+        if np.any(held == SCRATCH_CELL) or np.any(self._refcount[held] < count):
+            raise ValueError("freeing a cell more times than it is held")
         np.add.at(self._refcount, cells, -1)
         released = np.unique(cells[self._refcount[cells] == 0])
         self._free.extend(int(c) for c in released[::-1])
