@@ -131,7 +131,7 @@ def generate_command(
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="Run static methods without CUDA graphs."),
 ) -> None:
     """Generate from a compiled artifact, streaming the text."""
-    from pt2serve.runtime.engine import open_runner
+    from pt2serve.runtime.engine import describe_load, open_runner
     from pt2serve.runtime.executor import ExecutorConfig
     from pt2serve.runtime.sampling import SamplingParams
 
@@ -140,6 +140,7 @@ def generate_command(
         runner = open_runner(artifact, device, ExecutorConfig(use_cuda_graphs=not no_cuda_graphs))
     except Pt2ServeError as err:
         fail(str(err))
+    console.print(f"[dim]{describe_load(runner)}[/]")
     try:
         request = parse_sizes(prompt) if token_ids else prompt
         handle = runner.submit(request, max_new_tokens=max_new_tokens, sampling=sampling)

@@ -3,12 +3,7 @@
 # generate from the compiled artifact, then run a short benchmark sweep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${VENV:-.venv}
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e .
+source scripts/venv.sh
 PT2SERVE="$VENV/bin/pt2serve"
 mkdir -p artifacts
 ARTIFACT=artifacts/tiny-cpu.pt2

@@ -27,7 +27,10 @@ def visibility_mask(
     """[T, E] bool: may token t attend to entry e of seq_cells."""
     entry = torch.arange(num_entries, device=positions.device, dtype=seq_indptr.dtype)
     num_seqs = seq_indptr.shape[0] - 1
-    entry_seq = torch.searchsorted(seq_indptr[1:], entry, right=True).clamp(max=num_seqs - 1)
+    # The sequence of entry e is the last r with seq_indptr[r] <= e. Searched over the whole indptr, not
+    # a slice of it: Inductor's GPU searchsorted ignores a sliced boundary tensor's offset (silently off
+    # by one; pytorch/pytorch#182343).
+    entry_seq = (torch.searchsorted(seq_indptr, entry, right=True) - 1).clamp(min=0, max=num_seqs - 1)
     entry_pos = entry - seq_indptr[entry_seq]
     is_used = entry < seq_indptr[-1]
     same_seq = token_seq[:, None] == entry_seq[None, :]
@@ -56,7 +59,9 @@ def cell_attention(
     q = q.view(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, T, D]
     q = q.reshape(num_kv_heads, group * num_tokens, head_dim)
     scores = torch.matmul(q, k.transpose(1, 2)) * (head_dim**-0.5)  # [KVH, G*T, E]
-    scores = scores.view(num_kv_heads, group, num_tokens, -1).masked_fill(~mask, float("-inf"))
+    # The most negative finite value, not -inf: a row that sees nothing (never a real token's) then
+    # stays finite, so no NaN can reach the pool and spread through 0 * NaN to other tokens' rows.
+    scores = scores.view(num_kv_heads, group, num_tokens, -1).masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs.view(num_kv_heads, group * num_tokens, -1), v)  # [KVH, G*T, D]
     return out.view(num_kv_heads, group, num_tokens, head_dim).permute(2, 0, 1, 3).reshape(num_tokens, num_heads, head_dim)

@@ -28,3 +28,15 @@ def open_runner(
     executor = Executor(artifact, executor_config)
     tokenizer = artifact_tokenizer(artifact.tokenizer_json, artifact.metadata.raw.get("tokenizer"))
     return Runner(executor, tokenizer, runner_config)
+
+
+def describe_load(runner: Runner) -> str:
+    """One line on what loading cost: time, device memory by kind, graph capture."""
+    executor = runner.executor
+    memory = executor.memory
+    graphs = "CUDA graphs on" if executor.uses_cuda_graphs else "CUDA graphs off"
+    return (
+        f"loaded in {executor.artifact.report.load_seconds:.1f} s on {executor.device}: weights "
+        f"{memory.weight_bytes / 1e6:.1f} MB, KV pool {memory.pool_bytes / 1e6:.1f} MB ({memory.num_cells} cells), "
+        f"graphs {memory.graph_bytes / 1e6:.1f} MB, {graphs} (captured in {memory.capture_seconds:.2f} s)"
+    )

@@ -46,7 +46,7 @@ def serve_artifact_command(
 
     import uvicorn
 
-    from pt2serve.runtime.engine import open_runner
+    from pt2serve.runtime.engine import describe_load, open_runner
     from pt2serve.runtime.executor import ExecutorConfig
     from pt2serve.runtime.runner import RunnerConfig
     from pt2serve.serve.app import create_app
@@ -64,7 +64,8 @@ def serve_artifact_command(
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=5, server_header=False))
     loader = BackgroundLoader(app, server, lambda: open_runner(artifact, device, executor_config, runner_config),
-                              ready_message=lambda url: f"serving {config.model_name} at {url}/v1 (ready)")
+                              ready_message=lambda url: f"serving {config.model_name} at {url}/v1 (ready)",
+                              describe=describe_load)
     loader.start()
     server.run()
     if loader.error is not None:

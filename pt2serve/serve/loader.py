@@ -20,11 +20,12 @@ log = logging.getLogger("pt2serve.serve")
 
 class BackgroundLoader:
     def __init__(self, app: FastAPI, server: uvicorn.Server, load: Callable[[], Runner],
-                 ready_message: Callable[[str], str]) -> None:
+                 ready_message: Callable[[str], str], describe: Callable[[Runner], str] | None = None) -> None:
         self._app = app
         self._server = server
         self._load = load
         self._ready_message = ready_message
+        self._describe = describe
         self.error: str | None = None  # why loading failed (the server is then stopped)
         self._thread = threading.Thread(target=self._run, name="pt2serve-load", daemon=True)
 
@@ -52,6 +53,8 @@ class BackgroundLoader:
         while not self._server.started and not self._server.should_exit:
             time.sleep(0.02)
         if self._server.started:
+            if self._describe is not None:
+                print(self._describe(runner), flush=True)
             print(self._ready_message(self._url()), flush=True)
 
     def _stop(self, message: str) -> None:

@@ -1,0 +1,9 @@
+# Sourced by quickstart.sh and test.sh: create (or reuse) the venv in $VENV and install pt2serve into it.
+# Usage: source scripts/venv.sh [pip extras, e.g. "[test]"]
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+# torch 2.13.0 is the CPU build available locally; other versions download several GB.
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".${1:-}"
