@@ -100,26 +100,34 @@ def _raise_template_error(message: str) -> None:
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences.
+
+    Only a short window is decoded per token (the tokens since the last emitted text, plus the ones before
+    them that give it context), so streaming costs O(1) per token rather than re-decoding everything.
+    """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
-        self._emitted = ""
+        self._prefix_offset = 0  # start of the context window
+        self._read_offset = 0  # tokens before this are already emitted as text
+        self._emitted: list[str] = []
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids)
+        before = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        after = self._tokenizer.decode(self._ids[self._prefix_offset:])
         # A replacement character at the end means a multi-byte character is still incomplete.
-        if text.endswith("\ufffd"):
+        if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        delta = text[len(self._emitted):] if text.startswith(self._emitted) else ""
-        self._emitted = text
+        delta = after[len(before):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._emitted.append(delta)
         return delta
 
     @property
     def text(self) -> str:
-        return self._emitted
+        return "".join(self._emitted)
 
 
 def read_tokenizer_config(text: str, source: str) -> dict[str, Any]:

@@ -486,7 +486,9 @@ def test_cli_serves_until_interrupted(tiny_artifact):
     try:
         lines: queue.SimpleQueue[str] = queue.SimpleQueue()
         threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
-        ready = lines.get(timeout=90)  # the first line is printed once the model is loaded
+        loaded = lines.get(timeout=90)  # once the model is loaded: what it cost, then where it listens
+        assert loaded.startswith("loaded in ") and "KV pool" in loaded and "graphs" in loaded
+        ready = lines.get(timeout=30)
         assert ready.startswith("serving cli-model at http://127.0.0.1:") and ready.rstrip().endswith("(ready)")
         base = ready.split(" at ")[1].split()[0]  # http://127.0.0.1:PORT/v1
         root = base.removesuffix("/v1")
