@@ -41,8 +41,8 @@ FORWARD_INPUTS = (
     "seq_cells",  # [E] int64
     "logit_rows",  # [S] int64
 )
-# Inputs of `sample`: logits [R, V] fp32, then per row:
-SAMPLE_INPUTS = ("logits", "temperature", "top_p", "top_k", "uniform")
+# `sample` takes logits [R, V] fp32, then per row: temperature, top_p, top_k (int64), uniform draw;
+# `sample_argmax` takes the logits alone. Both return token ids [R] int64.
 
 
 def forward_name(width: int) -> str:

@@ -101,12 +101,6 @@ def read_metadata(path: str | Path) -> Metadata:
         return Metadata(_read_metadata(archive, path))
 
 
-def read_tokenizer_json(path: str | Path) -> str | None:
-    with _open_zip(path) as archive:
-        name = _find_record(archive, "extra/" + TOKENIZER_RECORD)
-        return archive.read(name).decode() if name else None
-
-
 @dataclass
 class LoadReport:
     load_seconds: float = 0.0

@@ -80,7 +80,3 @@ class Request:
     def is_decoding(self) -> bool:
         """Only the newest (sampled) token is pending."""
         return self.num_computed >= self.num_prompt and self.num_pending == 1
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.num_prompt:]
