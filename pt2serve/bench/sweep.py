@@ -77,7 +77,10 @@ def plan_row(tokens: int, options: SweepOptions, meta_raw: dict[str, Any], capac
                 f"--prefill-chunk {backlog_prompt} + 1 output token exceeds the artifact's max context ({max_context})"
             )
         fill = tokens - decoders
-        backlog = -(-2 * fill // backlog_prompt) + 2  # at least twice a step's prefill pending, always
+        # The scheduler serves the least recently served prompt first, so backlog prompts advance together
+        # and end together; their replacements arrive a step later. Keep enough in flight that the fresh
+        # ones alone fill a step while the rest finish: four steps' worth of prefill, plus a margin.
+        backlog = -(-4 * fill // backlog_prompt) + 4
     free = capacity - backlog * backlog_prompt
     max_new = min(max_context - prompt, free // decoders - prompt) if free > 0 else 0
     if max_new < needed:
