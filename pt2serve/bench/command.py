@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -117,7 +118,8 @@ def _run(
         check_plot_support()
     from pt2serve.bench import report
 
-    console = Console()
+    # A table cut to 80 columns is unreadable in logs: outside a terminal, give it room.
+    console = Console() if sys.stdout.isatty() else Console(width=180)
     name = artifact.name if artifact is not None else url
     if mode == "sweep":
         from pt2serve.bench.sweep import run_sweep
