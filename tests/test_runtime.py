@@ -510,6 +510,11 @@ def make_bad_artifacts(src: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
     with_metadata(src, other_torch, lambda m: m["built_with"].update(torch=f"{major - 1}.0.1+cpu"))
     cases["other-torch"] = (other_torch, f"built with torch {major - 1}.0.1")
 
+    foreign_libstdcxx = tmp / "foreign-libstdcxx.pt2"
+    with_metadata(src, foreign_libstdcxx,
+                  lambda m: m["built_with"].update(libstdcxx_mismatch="the C++ compiler 'g++' links /opt/x"))
+    cases["foreign-libstdcxx"] = (foreign_libstdcxx, "CXX=/usr/bin/g++")
+
     not_zip = tmp / "not-a-zip.pt2"
     not_zip.write_bytes(b"this is not a zip archive\n" * 100)
     cases["not-a-zip"] = (not_zip, "not a readable .pt2 package")
@@ -547,7 +552,7 @@ def bad_artifact_results(tiny_artifact, tmp_path_factory):
 @pytest.mark.parametrize(
     "case",
     ["truncated", "tampered-weights", "missing-method", "missing-weight", "other-format-version", "other-torch",
-     "not-a-zip", "no-such-path"],
+     "foreign-libstdcxx", "not-a-zip", "no-such-path"],
 )
 def test_bad_artifact_is_refused_with_message(bad_artifact_results, case):
     returncode, output, message = bad_artifact_results[case]

@@ -15,7 +15,7 @@ from pt2serve.contract import FORMAT_VERSION, internal_model_name
 from pt2serve.export.compile import CompileJob, compile_all
 from pt2serve.export.methods import method_specs
 from pt2serve.export.options import ExportOptions
-from pt2serve.export.toolchain import warn_if_mismatched_libstdcxx
+from pt2serve.export.toolchain import libstdcxx_mismatch, warn_about
 from pt2serve.export.package import weight_entries, weights_hash, write_package
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.model import Transformer
@@ -33,8 +33,9 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     """Build the artifact described by `options`; raises Pt2ServeError on bad input before compiling."""
     started = time.perf_counter()
     options.validate()
-    if options.backend == "cuda":
-        warn_if_mismatched_libstdcxx()
+    mismatch = libstdcxx_mismatch()
+    if mismatch:
+        warn_about(mismatch)
     checkpoint = str(options.checkpoint) if options.checkpoint is not None else None
     config, model, tokenizer = load_model(checkpoint, options.preset, options.torch_dtype, options.device)
     model.eval()
@@ -61,6 +62,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
             progress.update()
     weights = model_weights(model)
     metadata = build_metadata(options, config.to_dict(), max_context, specs, internal, weights, tokenizer)
+    metadata["built_with"]["libstdcxx_mismatch"] = mismatch
     write_package(options.output, aoti_files, weights, metadata, tokenizer.tokenizer_json if tokenizer else None)
     return ExportSummary(
         methods=tuple(spec.name for spec in specs),

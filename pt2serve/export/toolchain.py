@@ -1,7 +1,8 @@
 """A check of the C++ compiler AOTInductor will use, before minutes of compiling.
 
 A wrapper library built by a g++ that links its own libstdc++ (not the one this Python process runs
-with) makes loading ANY package segfault later. We cannot always tell for sure, so we warn.
+with) makes loading ANY package segfault later. The exporter warns and records the mismatch in the
+metadata, and the loader refuses such an artifact with a message instead of crashing.
 """
 
 from __future__ import annotations
@@ -38,13 +39,18 @@ def process_libstdcxx() -> str | None:
     return None
 
 
-def warn_if_mismatched_libstdcxx() -> None:
+def libstdcxx_mismatch() -> str | None:
+    """A description of the mismatch, when the compiler's libstdc++ is not the one this process runs."""
     compiler = os.environ.get("CXX", "g++")
     linked, loaded = compiler_libstdcxx(compiler), process_libstdcxx()
     if linked and loaded and linked != loaded:
-        print(
-            f"warning: the C++ compiler {compiler!r} links {linked}, but this process runs with {loaded}; "
-            "packages built this way can crash when loaded. If loading segfaults, re-export with "
-            "CXX=/usr/bin/g++ (a compiler using the system libstdc++).",
-            file=sys.stderr,
-        )
+        return f"the C++ compiler {compiler!r} links {linked}, but the exporting process ran with {loaded}"
+    return None
+
+
+def warn_about(mismatch: str) -> None:
+    print(
+        f"warning: {mismatch}; packages built this way crash when loaded, and pt2serve will refuse to load "
+        "this one. Re-export with CXX=/usr/bin/g++ (a compiler using the system libstdc++).",
+        file=sys.stderr,
+    )

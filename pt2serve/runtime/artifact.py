@@ -161,6 +161,11 @@ def check_machine(metadata: Metadata, device: torch.device) -> None:
         raise Pt2ServeError("this artifact was exported for cuda; serve it on a GPU, or re-export with --backend cpu")
     if metadata.backend == "cpu" and device.type != "cpu":
         raise Pt2ServeError("this artifact was exported for cpu; re-export with --backend cuda to run on a GPU")
+    if built.get("libstdcxx_mismatch"):
+        raise Pt2ServeError(
+            f"this artifact's compiled methods were built against a different libstdc++ ({built['libstdcxx_mismatch']}); "
+            "loading them would crash the process: re-export with CXX=/usr/bin/g++"
+        )
     if _major_minor(built["torch"]) != _major_minor(torch.__version__):
         raise Pt2ServeError(
             f"this artifact was built with torch {built['torch']}, but this machine has torch {torch.__version__}; "
