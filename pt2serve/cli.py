@@ -46,7 +46,7 @@ def export_command(
     max_context: Optional[int] = typer.Option(None, help="Longest sequence (default: the model's)."),
     graph_entries: int = typer.Option(16384, help="Context cells one static step may read in total."),
     min_prefill_chunk: int = typer.Option(32, help="Prefill is not cut into chunks shorter than this."),
-    jobs: Optional[int] = typer.Option(None, help="Parallel compile workers (default: half the cores, at most 8)."),
+    jobs: Optional[int] = typer.Option(None, help="Parallel compile workers (default: one per core, at most 8; fewer when GPU memory is short)."),
     device_index: int = typer.Option(0, help="GPU to build on."),
 ) -> None:
     """Trace a model and compile it into one multi-method .pt2 package."""
