@@ -80,7 +80,11 @@ def main() -> None:
     print(f"{'graphs':>6} {'capture s':>9} {'graph MB':>8} {'pool MB':>8} {'= designed':>10} {'run s':>6}")
     for graphs, capture, graph_mb, pool_mb, ok, seconds in rows:
         print(f"{str(graphs):>6} {capture:9.2f} {graph_mb:8.1f} {pool_mb:8.1f} {str(ok):>10} {seconds:6.2f}")
-    print("graphs on == graphs off:", results[True] == results[False])
+    same = results[True] == results[False]
+    designed = all(row[4] for row in rows)
+    print("graphs on == graphs off:", same)
+    print("PASS" if same and designed else "FAIL")
+    sys.exit(0 if same and designed else 1)
 
 
 if __name__ == "__main__":
