@@ -75,7 +75,7 @@ class Executor:
             method = f"forward_{width}"
             idle_steps[method] = pack([], method, width, meta.entries_of(width))
         use_graphs = config.use_cuda_graphs and self.device.type == "cuda"
-        self._static, capture_seconds = capture_all(self._run, idle_steps, self.pools, self.device, use_graphs)
+        self._static, capture_seconds = capture_all(artifact.run, idle_steps, self.pools, self.device, use_graphs)
         self.uses_cuda_graphs = use_graphs
         self.memory = MemoryReport(
             weight_bytes=artifact.report.weight_bytes,
@@ -104,9 +104,6 @@ class Executor:
             )
         return min(limit, fits)
 
-    def _run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self.artifact.run(method, inputs)
-
     def step(self, chunks: list[Chunk]) -> StepResult:
         """Run one step; the chunks' cells must already be allocated (their K/V are written here)."""
         meta = self.artifact.metadata
@@ -119,7 +116,8 @@ class Executor:
             call = pack(piece, method, width, meta.entries_of(width) if width else None)
             logits = self._forward(call)
             if call.sampled_chunks:
-                sampled = [piece_chunk(piece, i) for i in call.sampled_chunks]
+                by_index = dict(piece)
+                sampled = [by_index[i] for i in call.sampled_chunks]
                 ids = self._sample(logits[: len(sampled)], sampled)
                 for index, token in zip(call.sampled_chunks, ids):
                     tokens[index] = token
@@ -131,24 +129,20 @@ class Executor:
             return self._static[call.method].forward(call.host)
         device_inputs = torch.from_numpy(call.host).to(self.device)
         inputs = regions(device_inputs, call.sizes)
-        return self._run(call.method, [*inputs, *self.pools])[0]
+        return self.artifact.run(call.method, [*inputs, *self.pools])[0]
 
     def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> list[int]:
         params = [c.sampling for c in chunks]
         if all(p.is_greedy for p in params):
-            ids = self._run(SAMPLE_ARGMAX, [logits])[0]
+            ids = self.artifact.run(SAMPLE_ARGMAX, [logits])[0]
         else:
             device = self.device
             temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device)
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
             top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64).to(device)
             uniform = torch.tensor([c.uniform for c in chunks], dtype=torch.float32).to(device)
-            ids = self._run(SAMPLE, [logits, temperature, top_p, top_k, uniform])[0]
+            ids = self.artifact.run(SAMPLE, [logits, temperature, top_p, top_k, uniform])[0]
         return ids.tolist()
-
-
-def piece_chunk(piece: list[tuple[int, Chunk]], chunk_index: int) -> Chunk:
-    return next(chunk for index, chunk in piece if index == chunk_index)
 
 
 def _free_device_bytes(device: torch.device) -> int:
