@@ -31,7 +31,8 @@ SAMPLE_ARGMAX = "sample_argmax"
 
 # Inputs of every forward method, in order, followed by the K pools then the V pools (one per layer).
 # forward_N takes exactly N tokens; forward_others takes 2 .. max_step_tokens + 1 (one padding token
-# in its own sequence keeps every dynamic dim at its traced minimum).
+# in its own sequence keeps every dynamic dim at its traced minimum). A token's own cell is also its
+# sequence's entry at its position: seq_cells[seq_indptr[token_seq[t]] + positions[t]] == write_cells[t].
 FORWARD_INPUTS = (
     "tokens",  # [T] int64
     "positions",  # [T] int64

@@ -91,6 +91,14 @@ def random_lengths(rng: random.Random, width: int) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
+def poison(executor: Executor, cells: np.ndarray) -> None:
+    """NaN into freshly allocated cells: a step that read one before it is written returns wrong tokens
+    (NaN spreads through 0 * NaN even where the mask hides the cell)."""
+    index = torch.from_numpy(np.asarray(cells, dtype=np.int64)).to(executor.device)
+    for pool in executor.pools:
+        pool.index_fill_(0, index, float("nan"))
+
+
 def test_toy_greedy_is_the_designed_continuation(toy_model):
     rng = random.Random(3)
     for length in (1, 7, 30):
@@ -125,7 +133,9 @@ def test_every_step_width(executor):
             while not allocator.can_allocate(length):
                 retire(rng.choice([s for s in active if s not in owners and s is not seq]))
             start = seq.fed
-            seq.table.append(allocator.allocate(length))
+            fresh = allocator.allocate(length)
+            poison(executor, fresh)
+            seq.table.append(fresh)
             roll = rng.random()
             sampling = GREEDY if roll < 0.55 else TOP1 if roll < 0.7 else None
             chunks.append(Chunk(seq.table.cells, tuple(seq.tokens[start:start + length]), start, sampling,
@@ -188,6 +198,27 @@ def test_designed_calls_cover_every_method():
     assert seen == {forward_name(n) for n in meta.forward_sizes} | {FORWARD_OTHERS}
     assert expected_calls(150, meta) == [(FORWARD_OTHERS, 128), (forward_name(32), 22)]
     assert expected_calls(65, meta) == [(FORWARD_OTHERS, 65)]
+
+
+@pytest.mark.parametrize("method,width,entries", [("forward_8", 8, 64), ("forward_64", 64, 512), (FORWARD_OTHERS, None, None)])
+def test_pack_puts_each_token_at_its_own_entry(method, width, entries):
+    """The contract the compiled attention relies on: seq_cells[seq_indptr[token_seq[t]] + positions[t]]
+    is write_cells[t], padding included (padding tokens own the scratch entry)."""
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        piece, left, next_cell = [], width or 40, 1
+        while left:
+            length, start = int(rng.integers(1, left + 1)), int(rng.integers(0, 3))
+            cells = np.arange(next_cell, next_cell + start + length)
+            next_cell += start + length + 3
+            piece.append((len(piece), Chunk(cells, (7,) * length, start, GREEDY)))
+            left -= length
+            if width is not None and rng.random() < 0.3:
+                break  # leave padding
+        call = pack(piece, method, width, entries)
+        tokens, positions, write_cells, token_seq, indptr, seq_cells, _ = regions(call.host, call.sizes)
+        assert np.array_equal(seq_cells[indptr[token_seq] + positions], write_cells)
+        assert (write_cells[call.num_tokens:] == SCRATCH_CELL).all()
 
 
 # ---------------------------------------------------------------------------------------- sampler
@@ -308,6 +339,17 @@ def test_sampler_frequencies_follow_the_restricted_softmax(executor, temperature
     total_variation = 0.5 * np.abs(counts - expected).sum()
     # Sampling error of 50k draws over <= 40 outcomes is about 0.4 * sqrt(40 / 50k) ~ 0.011 at worst.
     assert total_variation < 0.02, total_variation
+
+
+def test_sampling_follows_the_strides_of_padded_logits(executor):
+    """A forward's logits may come back with padded rows (seen on the GPU for this odd vocab in fp32);
+    the compiled samplers assume contiguous rows, so the executor must hand them contiguous logits."""
+    padded = torch.randn(5, VOCAB + 2, generator=torch.Generator().manual_seed(0)).to(executor.device)
+    logits = padded[:, :VOCAB]
+    expected = logits.argmax(-1).tolist()
+    for sampling in (GREEDY, TOP1):  # sample_argmax, then sample
+        chunks = [Chunk(np.arange(1), (1,), 0, sampling, uniform=0.5)] * len(expected)
+        assert executor._sample(logits, chunks) == expected, sampling
 
 
 def test_sample_argmax_is_argmax(executor):

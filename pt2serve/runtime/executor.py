@@ -132,6 +132,9 @@ class Executor:
         return self.artifact.run(call.method, [*inputs, *self.pools])[0]
 
     def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> list[int]:
+        # A compiled method reads its inputs with the strides it was traced with (contiguous), but a
+        # forward's logits may come back with padded rows (Inductor pads an odd vocab's row stride).
+        logits = logits.contiguous()
         params = [c.sampling for c in chunks]
         if all(p.is_greedy for p in params):
             ids = self.artifact.run(SAMPLE_ARGMAX, [logits])[0]

@@ -1,7 +1,11 @@
 """On a GPU: the same random mixed steps with CUDA graphs on and off give identical tokens.
 
 Usage: python scripts/device/graphs_check.py ARTIFACT.pt2 (a toy-greedy export for the GPU)
-Prints load/capture time and memory, then one table row per configuration.
+Fresh cells are filled with NaN first, so a read of a cell before its write shows up as a wrong token.
+Prints load/capture time and memory, then one table row per configuration. A step whose tokens differ
+from the designed ones is diagnosed at once, from the pool as it was before the step: the executor again,
+its static path with the host's argmax next to the device sampler's, then the compiled method and the eager
+model on copies of the pool, with each output row's top two logits.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ import time
 import numpy as np
 import torch
 
-from pt2serve.model.presets import toy_greedy_continuation
+from pt2serve.model.presets import build_preset_model, toy_greedy_continuation
 from pt2serve.runtime.artifact import load_artifact
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.sampling import SamplingParams
-from pt2serve.runtime.step import Chunk
+from pt2serve.runtime.step import Chunk, choose_method, pack, regions, slice_step
 
 WIDTHS = list(range(1, 66)) + [96, 97]
 GREEDY = SamplingParams()
@@ -38,6 +42,10 @@ def run_widths(executor: Executor, seed: int) -> tuple[list, list, float]:
             truth = prompt + toy_greedy_continuation(prompt, 200)
             start = int(rng.integers(0, 40))
             cells = executor.allocator.allocate(start + length)
+            # NaN in fresh cells: a read before the step's own write shows as a wrong token.
+            index = torch.from_numpy(cells).to(executor.device)
+            for pool in executor.pools:
+                pool.index_fill_(0, index, float("nan"))
             held.append(cells)
             wants = bool(rng.integers(0, 2))
             # Context before `start` is written by an earlier step of the same sequence.
@@ -46,6 +54,7 @@ def run_widths(executor: Executor, seed: int) -> tuple[list, list, float]:
             chunks.append(Chunk(cells, tuple(truth[start:start + length]), start, GREEDY if wants else None))
             remaining -= length
             outputs.append(("expect", truth[start + length] if wants else None))
+        before = [pool.clone() for pool in executor.pools]
         result = executor.step(chunks)
         outputs.extend(("got", t) for t in result.tokens)
         step_methods = tuple(c.method for c in result.calls)
@@ -53,12 +62,62 @@ def run_widths(executor: Executor, seed: int) -> tuple[list, list, float]:
         expected = [v for k, v in outputs[-2 * len(chunks):-len(chunks)]]
         wrong = sum(e != g for e, g in zip(expected, result.tokens))
         if wrong:
-            print(f"width {width} via {'+'.join(step_methods)}: {wrong} of {len(chunks)} outputs differ")
+            print(f"width {width} via {'+'.join(step_methods)}: {wrong} of {len(chunks)} outputs differ: "
+                  f"designed {expected}, got {list(result.tokens)}")
+            diagnose(executor, chunks, expected, before)
         for cells in held:
             executor.allocator.free(cells)
     if executor.device.type == "cuda":
         torch.cuda.synchronize()
     return outputs, methods, time.perf_counter() - started
+
+
+def diagnose(executor: Executor, chunks: list[Chunk], expected: list, before: list[torch.Tensor]) -> None:
+    """Re-run a failed step from the pool as it was before it: the executor's own path again, then each
+    piece compiled (no graph, fresh input tensors) and eager on copies; print each output row."""
+    def restore() -> None:
+        for pool, saved in zip(executor.pools, before):
+            pool.copy_(saved)
+
+    restore()
+    print(f"  executor again: {list(executor.step(chunks).tokens)}")
+    restore()
+    artifact, meta = executor.artifact, executor.artifact.metadata
+    model = build_preset_model("toy-greedy", meta.kv_dtype, executor.device).eval()
+    for piece in slice_step(chunks, executor.max_step_tokens):
+        num_tokens = sum(len(c.tokens) for _, c in piece)
+        method, width = choose_method(num_tokens, sum(c.end for _, c in piece), executor.forward_sizes,
+                                      meta.entries_of)
+        call = pack(piece, method, width, meta.entries_of(width) if width else None)
+        print(f"  {method}: sizes {call.sizes}")
+        for name, region in zip(("tokens", "positions", "write_cells", "token_seq", "seq_indptr", "logit_rows"),
+                                [r for i, r in enumerate(regions(call.host, call.sizes)) if i != 5]):
+            print(f"    {name}: {region.tolist()}")
+        if width is not None:
+            static = executor._static[method]
+            logits = static.forward(call.host)[: len(call.sampled_chunks)]
+            staged = torch.equal(static.buffers.device_buffer.cpu(), torch.from_numpy(call.host))
+            sampled = executor._sample(logits, [dict(piece)[i] for i in call.sampled_chunks])
+            print(f"    static path: buffer == host {staged}, host argmax {logits.argmax(-1).tolist()}, "
+                  f"device sampler {sampled}, logits stride {logits.stride()}, NaN {bool(logits.isnan().any())}")
+            restore()
+        inputs = regions(torch.from_numpy(call.host).to(executor.device), call.sizes)
+        half = len(executor.pools) // 2
+        compiled_pools = [p.clone() for p in executor.pools]
+        eager_pools = [p.clone() for p in executor.pools]
+        compiled = artifact.run(method, [*inputs, *compiled_pools])[0].float()
+        with torch.no_grad():
+            eager = model(*[t.clone() for t in inputs], eager_pools[:half], eager_pools[half:]).float()
+        written = torch.from_numpy(regions(call.host, call.sizes)[2].copy()).to(executor.device)
+        dpool = max((a[written] - b[written]).abs().max().item() for a, b in zip(compiled_pools, eager_pools))
+        print(f"    max |dpool| in written cells, compiled vs eager: {dpool:.3e}; "
+              f"NaN in compiled logits: {bool(compiled.isnan().any())}")
+        for row, index in enumerate(call.sampled_chunks):
+            chunk = dict(piece)[index]
+            top_c, top_e = compiled[row].topk(2), eager[row].topk(2)
+            print(f"    chunk {index} start {chunk.start} len {len(chunk.tokens)}: designed {expected[index]} "
+                  f"compiled {top_c.indices.tolist()} {top_c.values.tolist()} "
+                  f"eager {top_e.indices.tolist()} {top_e.values.tolist()}")
 
 
 def main() -> None:
