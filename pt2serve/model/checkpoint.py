@@ -1,14 +1,16 @@
 """Load a Hugging Face checkpoint directory (config.json + safetensors + tokenizer files) into our Transformer.
 
-Our module names equal Hugging Face's minus the leading "model.", so loading is a rename plus checks:
-every parameter must come from the checkpoint with the right shape, and every checkpoint tensor must
-land somewhere. Tensors are read one at a time from memory-mapped safetensors, so a model larger than
-host memory in fp32 still loads straight into `dtype` on `device`.
+Our module names equal Hugging Face's minus the leading "model.", except the stacked projections
+(model.stacked_projections), which take their checkpoint tensors as row blocks. Loading is that mapping
+plus checks: every checkpoint tensor a parameter needs must be there with the right shape, and every
+checkpoint tensor must land somewhere. Tensors are read one at a time from memory-mapped safetensors, so a
+model larger than host memory in fp32 still loads straight into `dtype` on `device`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.config import ModelConfig
-from pt2serve.model.model import Transformer, rope_inv_freq
+from pt2serve.model.model import Transformer, rope_inv_freq, stacked_projections
 from pt2serve.tokenizer import TokenizerFiles, read_tokenizer_config
 
 WEIGHTS_FILE = "model.safetensors"
@@ -114,20 +116,47 @@ def weight_files(root: Path) -> list[Path]:
     return files
 
 
+@dataclass(frozen=True)
+class Destination:
+    """Where a checkpoint tensor goes: rows start .. start + shape[0] of one of our parameters."""
+
+    name: str
+    start: int
+    shape: tuple[int, ...]
+
+
+def checkpoint_layout(model: Transformer) -> dict[str, Destination]:
+    """Every checkpoint tensor the model needs, by its Hugging Face name, and where it goes."""
+    stacked = stacked_projections(model.config)
+    layout = {}
+    for name, param in model.named_parameters():
+        # e.g. "layers.3.self_attn.qkv_proj.weight" -> "layers.3", "self_attn.qkv_proj", "weight"
+        match = re.fullmatch(r"(layers\.\d+)\.(.+)\.(weight|bias)", name)
+        if match is None or match[2] not in stacked:
+            layout[_hf_name(name)] = Destination(name, 0, tuple(param.shape))
+            continue
+        layer, projection, kind = match.groups()
+        start = 0
+        for part, rows in stacked[projection]:
+            layout[f"model.{layer}.{part}.{kind}"] = Destination(name, start, (rows, *param.shape[1:]))
+            start += rows
+    return layout
+
+
 @torch.no_grad()
 def load_weights(model: Transformer, files: list[Path]) -> None:
     """Fill every parameter of `model` from the safetensors files, checking names and shapes."""
     cfg = model.config
     params = dict(model.named_parameters())
+    layout = checkpoint_layout(model)
     loaded: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as reader:
             for key in reader.keys():
-                name = _our_name(key, cfg)
-                if name is None:
+                if _is_skipped(key, cfg):
                     continue
-                param = params.get(name)
-                if param is None:
+                destination = layout.get(key)
+                if destination is None:
                     raise Pt2ServeError(
                         f"{file}: unexpected tensor {key!r}: the {cfg.architecture} model described by config.json "
                         "has no such parameter (does config.json match the weights?)"
@@ -135,35 +164,33 @@ def load_weights(model: Transformer, files: list[Path]) -> None:
                 # Check shape and dtype from the header before reading any data.
                 view = reader.get_slice(key)
                 shape, kind = list(view.get_shape()), view.get_dtype()
-                if shape != list(param.shape):
+                if shape != list(destination.shape):
                     raise Pt2ServeError(
-                        f"{file}: tensor {key!r} has shape {shape}, expected {list(param.shape)} from config.json"
+                        f"{file}: tensor {key!r} has shape {shape}, "
+                        f"expected {list(destination.shape)} from config.json"
                     )
                 if kind not in FLOAT_DTYPES:
                     raise Pt2ServeError(
                         f"{file}: tensor {key!r} is stored as {kind}; quantized checkpoints are not supported"
                     )
-                param.copy_(reader.get_tensor(key))  # copy_ converts dtype and moves to the device
-                loaded.add(name)
-    missing = [name for name in params if name not in loaded]
+                rows = params[destination.name].narrow(0, destination.start, shape[0])
+                rows.copy_(reader.get_tensor(key))  # copy_ converts dtype and moves to the device
+                loaded.add(key)
+    missing = [key for key in layout if key not in loaded]
     if missing:
-        key = _hf_name(missing[0])
+        key = missing[0]
         hint = " (config.json says tie_word_embeddings=false)" if key == "lm_head.weight" else ""
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         where = ", ".join(str(file) for file in files)
         raise Pt2ServeError(f"tensor {key!r}{more} needed by the model is missing from the checkpoint ({where}){hint}")
 
 
-def _our_name(key: str, cfg: ModelConfig) -> str | None:
-    """Our parameter name for a checkpoint key, or None for keys we deliberately skip."""
+def _is_skipped(key: str, cfg: ModelConfig) -> bool:
+    """Checkpoint tensors we deliberately do not load."""
     if key.endswith(COMPUTED_SUFFIXES):
-        return None
-    if key == "lm_head.weight":
-        # Tied checkpoints sometimes store the head anyway; ours reads the embedding instead.
-        return None if cfg.tie_word_embeddings else key
-    if key.startswith("model."):
-        return key[len("model."):]
-    return key  # not ours: reported as unexpected by the caller
+        return True
+    # Tied checkpoints sometimes store the head anyway; ours reads the embedding instead.
+    return key == "lm_head.weight" and cfg.tie_word_embeddings
 
 
 def _hf_name(name: str) -> str:

@@ -1,6 +1,9 @@
 """A decoder-only transformer written plainly for torch.export (Llama, Mistral, Qwen2, Qwen3).
 
-Module names follow Hugging Face's (minus the leading "model."), so checkpoint keys map one to one.
+Module names follow Hugging Face's (minus the leading "model."), except that projections reading the same
+input are stacked into one weight (q/k/v into qkv_proj, gate/up into gate_up_proj): one wide matmul instead
+of several narrow ones, which matters most in small decode steps, where each matmul is a pass over its
+weights with a fixed launch and tail cost. `stacked_projections` says which checkpoint tensors each holds.
 The KV cache is not part of the model: every forward receives the pool tensors and writes the step's K/V
 into the cells it is told, in place (see attention.py for how a step is described).
 """
@@ -62,10 +65,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -82,9 +83,10 @@ class Attention(nn.Module):
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -97,12 +99,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -116,6 +118,17 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, write_cells, seq_cells, mask, k_pool, v_pool) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, write_cells, seq_cells, mask, k_pool, v_pool)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def stacked_projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Each stacked projection of a layer -> the checkpoint projections it holds, in row order, with their rows."""
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {
+        "self_attn.qkv_proj": (
+            ("self_attn.q_proj", q_size), ("self_attn.k_proj", kv_size), ("self_attn.v_proj", kv_size)
+        ),
+        "mlp.gate_up_proj": (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)),
+    }
 
 
 class Transformer(nn.Module):
