@@ -133,7 +133,7 @@ class Executor:
 
     def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> list[int]:
         # A compiled method reads its inputs with the strides it was traced with (contiguous), but a
-        # forward's logits may come back with padded rows (Inductor pads an odd vocab's row stride).
+        # forward's logits may come back with padded rows (seen on the GPU: 258 -> 260 floats in fp32).
         logits = logits.contiguous()
         params = [c.sampling for c in chunks]
         if all(p.is_greedy for p in params):

@@ -24,14 +24,19 @@ def profile_width(executor: Executor, width: int) -> None:
     seqs = [executor.allocator.allocate(CONTEXT + 2 * STEPS) for _ in range(width)]
     for cells in seqs:
         executor.step([Chunk(cells, tuple(range(1, CONTEXT + 1)), 0, None)])
-    chunks = lambda at: [Chunk(cells, (7,), at, SamplingParams()) for cells in seqs]  # noqa: E731
+    def decode_at(position: int) -> None:
+        executor.step([Chunk(cells, (7,), position, SamplingParams()) for cells in seqs])
+
     for i in range(STEPS):  # warm up
-        executor.step(chunks(CONTEXT + i))
+        decode_at(CONTEXT + i)
     on_gpu = executor.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
         for i in range(STEPS):
-            executor.step(chunks(CONTEXT + STEPS + i))
-    spent = (lambda e: e.device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)  # noqa: E731
+            decode_at(CONTEXT + STEPS + i)
+
+    def spent(event) -> float:  # microseconds
+        return event.device_time_total if on_gpu else event.self_cpu_time_total
+
     events = sorted((e for e in prof.key_averages() if spent(e) > 0), key=spent, reverse=True)
     total = sum(spent(e) for e in events) / STEPS
     print(f"T={width}: {total / 1000:.2f} ms of kernels per step")
