@@ -201,24 +201,40 @@ def test_designed_calls_cover_every_method():
 
 
 @pytest.mark.parametrize("method,width,entries", [("forward_8", 8, 64), ("forward_64", 64, 512), (FORWARD_OTHERS, None, None)])
-def test_pack_puts_each_token_at_its_own_entry(method, width, entries):
-    """The contract the compiled attention relies on: seq_cells[seq_indptr[token_seq[t]] + positions[t]]
-    is write_cells[t], padding included (padding tokens own the scratch entry)."""
+def test_pack_lays_out_each_chunk(method, width, entries):
+    """pack's whole-array layout against a chunk-by-chunk reference, padding included; and the contract
+    the compiled attention relies on: seq_cells[seq_indptr[token_seq[t]] + positions[t]] == write_cells[t]."""
     rng = np.random.default_rng(5)
-    for _ in range(20):
+    for _ in range(30):
         piece, left, next_cell = [], width or 40, 1
         while left:
-            length, start = int(rng.integers(1, left + 1)), int(rng.integers(0, 3))
-            cells = np.arange(next_cell, next_cell + start + length)
-            next_cell += start + length + 3
-            piece.append((len(piece), Chunk(cells, (7,) * length, start, GREEDY)))
+            length, start = int(rng.integers(1, left + 1)), int(rng.integers(0, 5))
+            cells = rng.permutation(np.arange(next_cell, next_cell + start + length + 2))  # any order, spare cells
+            next_cell += start + length + 2
+            sampling = GREEDY if rng.random() < 0.6 else None
+            piece.append((len(piece), Chunk(cells, tuple(rng.integers(0, VOCAB, length).tolist()), start, sampling)))
             left -= length
             if width is not None and rng.random() < 0.3:
                 break  # leave padding
         call = pack(piece, method, width, entries)
-        tokens, positions, write_cells, token_seq, indptr, seq_cells, _ = regions(call.host, call.sizes)
+        tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = regions(call.host, call.sizes)
+        at, entry, sampled_rows = 0, 0, []
+        for row, (_, chunk) in enumerate(piece):
+            span = slice(at, at + len(chunk.tokens))
+            assert tokens[span].tolist() == list(chunk.tokens)
+            assert positions[span].tolist() == list(range(chunk.start, chunk.end))
+            assert write_cells[span].tolist() == chunk.cells[chunk.start:chunk.end].tolist()
+            assert (token_seq[span] == row).all()
+            assert seq_cells[entry:entry + chunk.end].tolist() == chunk.cells[:chunk.end].tolist()
+            entry += chunk.end
+            assert indptr[row + 1] == entry
+            at = span.stop
+            if chunk.sampling is not None:
+                sampled_rows.append(at - 1)
+        assert (write_cells[at:] == SCRATCH_CELL).all() and (seq_cells[entry:] == SCRATCH_CELL).all()
+        assert (token_seq[at:] == len(piece)).all()
+        assert logit_rows[: len(sampled_rows)].tolist() == sampled_rows
         assert np.array_equal(seq_cells[indptr[token_seq] + positions], write_cells)
-        assert (write_cells[call.num_tokens:] == SCRATCH_CELL).all()
 
 
 # ---------------------------------------------------------------------------------------- sampler
