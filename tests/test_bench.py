@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from pt2serve.bench import RequestsOptions, SweepOptions, drive_runner, run_requests, sweep_executor
 from pt2serve.bench.options import parse_tokens, resolve_tokens
+from pt2serve.bench.peer import EagerPeer
 from pt2serve.bench.requests_mode import RequestTiming, arrival_times, summarise
 from pt2serve.bench.roofline import MachineLimits, ModelCost
 from pt2serve.bench.sweep import RowPlan, _analyse, plan_row
@@ -27,7 +28,8 @@ from pt2serve.cli import app
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.engine import artifact_tokenizer
-from pt2serve.runtime.executor import Executor
+from pt2serve.model.presets import toy_greedy_continuation, toy_successor
+from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.runner import Runner, RunnerConfig, StepRecord
 from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.runtime.step import Chunk
@@ -71,6 +73,8 @@ def test_sweep_rows_are_exactly_t_wide(sweep_result, executor):
         assert row.tokens_per_second == pytest.approx(row.tokens / row.interval_seconds)
         assert row.limit_seconds == max(row.memory_seconds, row.compute_seconds) > 0
         assert 0 < row.fraction_of_limit == pytest.approx(row.limit_seconds / row.interval_seconds)
+        assert row.eager_seconds > 0
+        assert row.speedup_over_eager == pytest.approx(row.eager_seconds / row.executor_seconds)
     kinds = {row.tokens: (row.kind, row.num_decode) for row in sweep_result.rows}
     assert kinds[16] == ("decode", 16)
     assert kinds[80] == ("mixed", 32)
@@ -101,7 +105,7 @@ def test_sweep_cli_writes_json_and_png(tiny_artifact, tmp_path):
         capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"},
     )
     assert proc.returncode == 0, proc.stderr
-    assert "tok/s" in proc.stdout and "% of limit" in proc.stdout
+    assert "tok/s" in proc.stdout and "% of limit" in proc.stdout and "x eager" in proc.stdout
     doc = json.loads(out_json.read_text())
     for key in ("mode", "created", "machine", "versions", "artifact", "flags", "options", "num_cells", "limits",
                 "model_cost", "seconds", "rows"):
@@ -118,9 +122,28 @@ def test_sweep_cli_writes_json_and_png(tiny_artifact, tmp_path):
         assert row["widths"] == [row["tokens"]] * 3, row  # every measured step was exactly T wide
         assert row["width_ok"] and row["flags"] == []
         for key in ("executor_seconds", "interval_seconds", "tokens_per_second", "bytes", "flops",
-                    "limit_seconds", "fraction_of_limit", "bound", "executor_step_seconds", "interval_step_seconds"):
+                    "limit_seconds", "fraction_of_limit", "bound", "executor_step_seconds", "interval_step_seconds",
+                    "eager_seconds", "speedup_over_eager"):
             assert row[key] is not None, key
     assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_eager_peer_computes_the_designed_tokens(toy_artifact):
+    """The peer runs the real computation: on toy-greedy its tokens are the designed successors, for a mixed
+    step of decodes and a prompt chunk, and for one wider than max_step_tokens (sliced like the executor)."""
+    executor = Executor(load_artifact(toy_artifact, device="cpu"), ExecutorConfig(num_cells=1024))
+    peer = EagerPeer(executor)
+    rng = np.random.default_rng(1)
+    for lengths in ((1, 1, 5, 1), (100, 60)):
+        chunks = []
+        for length in lengths:
+            prompt = rng.integers(0, 256, 1).tolist()
+            tokens = prompt + toy_greedy_continuation(prompt, length - 1)
+            cells = executor.allocator.allocate(length)
+            chunks.append(Chunk(cells, tuple(tokens), 0, SamplingParams()))
+        assert peer.step(chunks) == [toy_successor(c.tokens[-1]) for c in chunks]
+        for chunk in chunks:
+            executor.allocator.free(chunk.cells)
 
 
 def test_rows_with_wrong_widths_are_flagged_not_hidden():

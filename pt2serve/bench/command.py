@@ -17,6 +17,7 @@ _HELP = """Benchmark an artifact: throughput per step width (sweep) or latency u
 - tok/s = T / step interval
 - limit = max(bytes / measured memory bandwidth, FLOPs / measured matmul throughput); bytes = weights + KV cells (each sequence's context read once, new cells written); FLOPs = 2 x matmul params x T + attention
 - % of limit = limit / step interval. Rows whose steps were not T wide are flagged, not hidden.
+- eager ms: the peer, the row's middle measured step replayed through the uncompiled model module on the same weights (no compile, no CUDA graphs); x eager = eager ms / exec ms. --no-eager-peer skips it.
 
 --mode requests: --requests prompts of --prompt-tokens random token ids, --max-new-tokens each (in-process with ignore_eos), arriving every --stagger-ms or as a seeded Poisson process at --request-rate. --url drives a running server's OpenAI API (POST /v1/completions, stream=true) instead.
 
@@ -55,6 +56,7 @@ def bench_command(
     device: Optional[str] = typer.Option(None, help="Load onto this device (default: what the artifact was built for)."),
     num_cells: Optional[int] = typer.Option(None, help="KV pool size in cells (default: the executor's)."),
     timeout: float = typer.Option(600.0, help="Seconds a sweep row, or the whole requests run, may take."),
+    eager_peer: bool = typer.Option(True, help="sweep: also time each row's middle step in eager PyTorch."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every number to this JSON file."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG plot here (needs matplotlib)."),
 ) -> None:
@@ -76,7 +78,8 @@ def locals_without(values: dict, *names: str) -> dict:
 
 def _run(
     artifact, mode, tokens, warmup, iters, decode_cap, prefill_chunk, prompt_tokens, requests, max_new_tokens,
-    stagger_ms, request_rate, seed, token_budget, url, model, device, num_cells, timeout, json_path, plot,
+    stagger_ms, request_rate, seed, token_budget, url, model, device, num_cells, timeout, eager_peer, json_path,
+    plot,
 ) -> None:
     from rich.console import Console
 
@@ -91,7 +94,8 @@ def _run(
         "decode_cap": decode_cap, "prefill_chunk": prefill_chunk, "prompt_tokens": prompt_tokens,
         "requests": requests, "max_new_tokens": max_new_tokens, "stagger_ms": stagger_ms,
         "request_rate": request_rate, "seed": seed, "token_budget": token_budget, "url": url, "model": model,
-        "device": device, "num_cells": num_cells, "timeout": timeout, "json": json_path, "plot": plot,
+        "device": device, "num_cells": num_cells, "timeout": timeout, "eager_peer": eager_peer, "json": json_path,
+        "plot": plot,
     }
     if mode not in MODES:
         raise Pt2ServeError(f"unknown --mode {mode!r}: choose {' or '.join(MODES)}")
@@ -128,7 +132,7 @@ def _run(
             tokens=parse_tokens(tokens) if tokens is not None else None, warmup=warmup, iters=iters,
             decode_cap=decode_cap, prefill_chunk=prefill_chunk,
             prompt_tokens=prompt_tokens if prompt_tokens is not None else SweepOptions.prompt_tokens,
-            seed=seed, row_timeout=timeout,
+            seed=seed, row_timeout=timeout, eager_peer=eager_peer,
         )
         with StatusLine() as status:
             result = run_sweep(artifact, options, device=device, executor_config=executor_config, progress=status)

@@ -28,6 +28,7 @@ class SweepOptions:
     prompt_tokens: int = 8  # prompt length of the decoding requests
     seed: int = 0
     row_timeout: float = 600.0  # seconds one row may take before it is stopped and flagged
+    eager_peer: bool = True  # also time each row's middle step through the uncompiled model
 
     def check(self) -> None:
         if self.tokens is not None:

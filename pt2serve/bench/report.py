@@ -35,17 +35,18 @@ def sweep_table(result: SweepResult, title: str | None = None) -> Table:
     limits = result.limits
     caption = (f"limit on {limits.device}: memory {limits.memory_bandwidth / 1e9:.1f} GB/s, "
                f"matmul ({limits.dtype}) {limits.matmul_flops / 1e12:.3g} TFLOP/s; "
-               "% of limit = limit / step interval")
+               "% of limit = limit / step interval; eager: the same step in uncompiled PyTorch")
     table = Table(title=title or "pt2serve bench: sweep", caption=caption)
     for name in ("T", "workload", "method", "exec ms", "step ms", "tok/s", "limit ms", "bound", "limit tok/s",
-                 "% of limit", "flags"):
+                 "% of limit", "eager ms", "x eager", "flags"):
         table.add_column(name, justify="left" if name in ("workload", "method", "bound", "flags") else "right")
     for row in result.rows:
         percent = "-" if row.fraction_of_limit is None else f"{row.fraction_of_limit * 100:.1f}%"
         table.add_row(
             str(row.tokens), _workload(row), ",".join(row.methods) or "-", _ms(row.executor_seconds),
             _ms(row.interval_seconds), _num(row.tokens_per_second), _ms(row.limit_seconds), row.bound or "-",
-            _num(row.limit_tokens_per_second), percent,
+            _num(row.limit_tokens_per_second), percent, _ms(row.eager_seconds),
+            "-" if row.speedup_over_eager is None else f"{row.speedup_over_eager:.2g}x",
             "; ".join(row.flags) if row.flags else "ok",
             style="red" if row.flags else None,
         )
@@ -147,6 +148,10 @@ def plot_sweep(result: SweepResult, path: Path, title: str) -> None:
     ax.plot(ts, [r.tokens_per_second for r in rows], "o-", label="measured (T / step interval)")
     ax.plot(ts, [r.executor_tokens_per_second for r in rows], ".--", alpha=0.6, label="executor only (T / executor time)")
     ax.plot(ts, [r.limit_tokens_per_second for r in rows], "s:", color="black", label="physical limit (T / limit)")
+    eager = [r for r in rows if r.eager_seconds is not None]
+    if eager:
+        ax.plot([r.tokens for r in eager], [r.tokens / r.eager_seconds for r in eager], "^-.", color="tab:gray",
+                label="eager PyTorch peer (T / eager time)")
     flagged = [r for r in rows if r.flags]
     if flagged:
         ax.plot([r.tokens for r in flagged], [r.tokens_per_second for r in flagged], "x", color="red",

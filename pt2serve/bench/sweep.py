@@ -16,7 +16,9 @@ Per row, over `iters` steady steps after `warmup` (steady: all of the row's deco
                    scheduling, packing, detokenizing, events);
   tok/s          = T / step interval (the headline);
   limit          = the step's physical limit on this machine (see roofline.py); "% of limit" = limit /
-                   step interval.
+                   step interval;
+  eager          = the peer: the middle measured step replayed through the uncompiled model on the same
+                   weights and cells (see peer.py), the median of `iters` runs, next to the executor time.
 Rows whose measured steps were not T wide (or had fewer decodes than planned, or too few steady steps)
 are kept and flagged.
 """
@@ -32,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pt2serve.bench.options import DEFAULT_BACKLOG_PROMPT, SweepOptions, resolve_tokens
+from pt2serve.bench.peer import EagerPeer
 from pt2serve.bench.roofline import MachineLimits, ModelCost, measure_limits, step_cost
 from pt2serve.bench.stats import median
 from pt2serve.bench.timing import StepTiming, TimedExecutor
@@ -119,6 +122,8 @@ class SweepRow:
     limit_tokens_per_second: float | None = None  # T / limit_seconds
     fraction_of_limit: float | None = None  # limit_seconds / interval_seconds
     executor_fraction_of_limit: float | None = None  # limit_seconds / executor_seconds
+    eager_seconds: float | None = None  # the eager peer's time for the middle measured step
+    speedup_over_eager: float | None = None  # eager_seconds / executor_seconds
     executor_step_seconds: list[float] = field(default_factory=list)
     interval_step_seconds: list[float] = field(default_factory=list)
     wall_seconds: float = 0.0
@@ -244,12 +249,19 @@ def sweep_executor(
     limits = measure_limits(executor.device, raw["dtype"])
     cost = ModelCost.from_metadata(raw)
     rng = np.random.default_rng(options.seed)
+    peer = EagerPeer(executor) if options.eager_peer else None
     rows = []
     for index, plan in enumerate(plans):
         label = f"sweep {index + 1}/{len(plans)}: T={plan.tokens} ({plan.kind})"
         row_started = time.perf_counter()
-        timings, history, flags = _run_row(executor, tokenizer, plan, options, rng, label, progress)
-        row = _analyse(plan, timings, history, flags, options, cost, limits)
+        timed, history, flags = _run_row(executor, tokenizer, plan, options, rng, label, progress)
+        row = _analyse(plan, timed.timings(), history, flags, options, cost, limits)
+        if peer is not None and row.measured_steps:
+            # The runner is closed and the pool idle: the peer may write the step's cells again.
+            _say(progress, f"{label}: eager peer")
+            middle = row.steady_from + options.warmup + row.measured_steps // 2
+            row.eager_seconds = peer.step_seconds(timed.chunks(middle), options.iters)
+            row.speedup_over_eager = row.eager_seconds / row.executor_seconds
         row.wall_seconds = time.perf_counter() - row_started
         rows.append(row)
     return SweepResult(rows, limits, cost, options, str(executor.device), executor.allocator.num_cells,
@@ -264,7 +276,7 @@ def _say(progress: Progress | None, text: str) -> None:
 def _run_row(
     executor: Executor, tokenizer: Tokenizer | None, plan: RowPlan, options: SweepOptions,
     rng: np.random.Generator, label: str, progress: Progress | None,
-) -> tuple[list[StepTiming], list[StepRecord], list[str]]:
+) -> tuple[TimedExecutor, list[StepRecord], list[str]]:
     vocab = executor.artifact.metadata.vocab_size
     prompts = [rng.integers(0, vocab, plan.prompt_tokens).tolist() for _ in range(plan.num_decode)]
     backlog_prompts = [rng.integers(0, vocab, plan.backlog_prompt_tokens).tolist()
@@ -305,7 +317,7 @@ def _run_row(
         raise Pt2ServeError(
             f"T={plan.tokens}: the row left {executor.allocator.num_used} KV cells held after its runner closed"
         )
-    return timed.timings(), list(runner.step_history), flags
+    return timed, list(runner.step_history), flags
 
 
 def _analyse(

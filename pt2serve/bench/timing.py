@@ -74,6 +74,10 @@ class TimedExecutor:
     def num_steps(self) -> int:
         return len(self._raw)
 
+    def chunks(self, index: int) -> list[Chunk]:
+        """The chunks of step `index`, as the runner passed them."""
+        return self._raw[index][2]
+
     def timings(self) -> list[StepTiming]:
         """Every completed step, analysed now (after the run, off the timed path)."""
         return [
