@@ -128,7 +128,7 @@ def generate_command(
     top_k: int = typer.Option(0, help="0 for no limit."),
     seed: Optional[int] = typer.Option(None, help="Seed of the request's sampler."),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: what the artifact was built for)."),
-    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="Run static methods without CUDA graphs."),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="No CUDA graphs (then every step runs forward_others)."),
 ) -> None:
     """Generate from a compiled artifact, streaming the text."""
     from pt2serve.runtime.engine import describe_load, open_runner

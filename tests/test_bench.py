@@ -78,7 +78,8 @@ def test_sweep_rows_are_exactly_t_wide(sweep_result, executor):
     kinds = {row.tokens: (row.kind, row.num_decode) for row in sweep_result.rows}
     assert kinds[16] == ("decode", 16)
     assert kinds[80] == ("mixed", 32)
-    assert sweep_result.rows[0].methods == ["forward_1"] and sweep_result.rows[3].methods == ["forward_others"]
+    # On the CPU (no CUDA graphs) the executor sends every step to forward_others.
+    assert all(row.methods == ["forward_others"] for row in sweep_result.rows)
     assert executor.allocator.num_used == 0  # every request of every row is gone
 
 

@@ -49,15 +49,16 @@ def test_staggered_requests_match_their_solo_tokens_and_batch(toy_runner):
     batch = prompts(16)
     first_step = toy_runner.scheduler.step
     handles = []
+    # Arrivals 1 ms apart, each request 120 steps long: they overlap however fast a step is.
     for prompt in batch:
-        handles.append(toy_runner.submit(prompt, max_new_tokens=24))
-        time.sleep(0.003)
+        handles.append(toy_runner.submit(prompt, max_new_tokens=120))
+        time.sleep(0.001)
     results = [h.result(timeout=120) for h in handles]
     for prompt, result in zip(batch, results):
-        assert result.token_ids == toy_greedy_continuation(prompt, 24)
+        assert result.token_ids == toy_greedy_continuation(prompt, 120)
         assert result.finish_reason is FinishReason.LENGTH
-        assert result.stats.prompt_tokens == len(prompt) and result.stats.completion_tokens == 24
-    solo = toy_runner.generate(batch[3], max_new_tokens=24)
+        assert result.stats.prompt_tokens == len(prompt) and result.stats.completion_tokens == 120
+    solo = toy_runner.generate(batch[3], max_new_tokens=120)
     assert solo.token_ids == results[3].token_ids
     steps = [s for s in toy_runner.step_history if s.step > first_step]
     assert max(s.num_decode for s in steps) >= 8  # many sequences really decoded together

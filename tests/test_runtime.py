@@ -24,7 +24,7 @@ from pt2serve.model.eager import EagerSequence, greedy_generate
 from pt2serve.model.presets import build_preset_model, toy_greedy_continuation, toy_successor
 from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.cells import CellAllocator, CellTable
-from pt2serve.runtime.executor import Executor
+from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
 from pt2serve.runtime.step import Chunk, pack, regions
 
@@ -36,7 +36,8 @@ TOP1 = SamplingParams(temperature=0.9, top_k=1)
 
 @pytest.fixture(scope="module")
 def executor(toy_artifact):
-    return Executor(load_artifact(toy_artifact))
+    # Static methods serve steps only under CUDA graphs by default; forced here so the CPU tests run them.
+    return Executor(load_artifact(toy_artifact), ExecutorConfig(use_static_methods=True))
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +165,22 @@ def test_every_step_width(executor):
     assert allocator.num_free == allocator.capacity
 
 
+def test_without_cuda_graphs_steps_run_forward_others(toy_artifact):
+    """By default static methods serve only captured steps; on the CPU every step runs forward_others, with
+    the designed tokens, and no static buffers are made."""
+    plain = Executor(load_artifact(toy_artifact), ExecutorConfig(num_cells=512))
+    assert plain.forward_sizes == () and not plain.uses_cuda_graphs
+    rng = random.Random(4)
+    for width in (1, 5, 64):
+        prompts = [[rng.randrange(VOCAB)] for _ in range(width)]
+        cells = [plain.allocator.allocate(1) for _ in range(width)]
+        result = plain.step([Chunk(c, tuple(p), 0, GREEDY) for c, p in zip(cells, prompts)])
+        assert [call.method for call in result.calls] == [FORWARD_OTHERS]
+        assert list(result.tokens) == [toy_successor(p[0]) for p in prompts]
+        for c in cells:
+            plain.allocator.free(c)
+
+
 def test_widest_steps_stay_within_compiled_bounds(toy_artifact):
     """Steps of max_step_tokens tokens (and wider ones, sliced) run forward_others with inputs inside the
     dims it was compiled for. AOTInductor checks that when AOTI_RUNTIME_CHECK_INPUTS is set at a method's
@@ -171,7 +188,7 @@ def test_widest_steps_stay_within_compiled_bounds(toy_artifact):
     old = os.environ.get("AOTI_RUNTIME_CHECK_INPUTS")
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
     try:
-        strict = Executor(load_artifact(toy_artifact))
+        strict = Executor(load_artifact(toy_artifact), ExecutorConfig(use_static_methods=True))
         rng = random.Random(8)
         for lengths in ([TEST_MAX_STEP_TOKENS], [100, TEST_MAX_STEP_TOKENS - 100], [TEST_MAX_STEP_TOKENS + 22]):
             chunks, seqs = [], []

@@ -23,7 +23,7 @@ def serve_artifact_command(
     max_sessions: int = typer.Option(64, help="Sessions (X-Session-ID) whose KV cells are kept between requests."),
     max_queued: int = typer.Option(256, help="Requests running or queued before new ones are answered with 429."),
     prefix_cache_entries: int = typer.Option(0, help="Prompt prefixes kept for reuse across requests (0: off)."),
-    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="Run the static steps without CUDA graphs."),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="No CUDA graphs (then every step runs forward_others)."),
     api_key: Optional[str] = typer.Option(None, envvar="PT2SERVE_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     model_name: Optional[str] = typer.Option(None, help="The model id clients send (default: the file's stem)."),

@@ -127,7 +127,7 @@ def main() -> None:
     rows = []
     results = {}
     for use_graphs in (True, False):
-        executor = Executor(artifact, ExecutorConfig(num_cells=4096, use_cuda_graphs=use_graphs))
+        executor = Executor(artifact, ExecutorConfig(num_cells=4096, use_cuda_graphs=use_graphs, use_static_methods=True))
         mem = executor.memory
         outputs, methods, seconds = run_widths(executor, seed=0)
         expected = [v for k, v in outputs if k == "expect"]

@@ -51,7 +51,7 @@ def profile_width(executor: Executor, width: int) -> None:
 def main() -> None:
     artifact = load_artifact(sys.argv[1])
     num_cells = min(8193, artifact.metadata.max_cells + 1)
-    executor = Executor(artifact, ExecutorConfig(num_cells=num_cells, use_cuda_graphs=False))
+    executor = Executor(artifact, ExecutorConfig(num_cells=num_cells, use_cuda_graphs=False, use_static_methods=True))
     for width in [int(w) for w in sys.argv[2:]] or [1, 64]:
         profile_width(executor, width)
 
