@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pt2serve.model.presets import toy_greedy_continuation
-from pt2serve.runtime.engine import open_runner
+from pt2serve.runtime.engine import describe_load, open_runner
 from pt2serve.runtime.executor import ExecutorConfig
 from pt2serve.runtime.request import FinishReason
 from pt2serve.runtime.runner import RunnerConfig
@@ -43,6 +43,16 @@ def wait_until_idle(runner, timeout: float = 10.0) -> None:
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(rng.randint(1, 90))] for _ in range(count)]
+
+
+def test_load_report_says_how_steps_run(toy_runner, toy_artifact):
+    line = describe_load(toy_runner)
+    assert "KV pool" in line and "(4097 cells)" in line and "every step runs forward_others" in line
+    forced = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=64, use_static_methods=True))
+    try:
+        assert "static methods run without them" in describe_load(forced)
+    finally:
+        forced.close()
 
 
 def test_staggered_requests_match_their_solo_tokens_and_batch(toy_runner):

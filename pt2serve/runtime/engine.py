@@ -34,9 +34,15 @@ def describe_load(runner: Runner) -> str:
     """One line on what loading cost: time, device memory by kind, graph capture."""
     executor = runner.executor
     memory = executor.memory
-    graphs = "CUDA graphs on" if executor.uses_cuda_graphs else "CUDA graphs off"
+    if executor.uses_cuda_graphs:
+        graphs = (f"CUDA graphs for {len(executor.forward_sizes)} widths, {memory.graph_bytes / 1e6:.1f} MB, "
+                  f"captured in {memory.capture_seconds:.2f} s")
+    elif executor.forward_sizes:
+        graphs = "CUDA graphs off, static methods run without them"
+    else:
+        graphs = "no CUDA graphs: every step runs forward_others"
     return (
         f"loaded in {executor.artifact.report.load_seconds:.1f} s on {executor.device}: weights "
         f"{memory.weight_bytes / 1e6:.1f} MB, KV pool {memory.pool_bytes / 1e6:.1f} MB ({memory.num_cells} cells), "
-        f"graphs {memory.graph_bytes / 1e6:.1f} MB, {graphs} (captured in {memory.capture_seconds:.2f} s)"
+        f"{graphs}"
     )
