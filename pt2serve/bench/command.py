@@ -55,6 +55,9 @@ def bench_command(
     model: Optional[str] = typer.Option(None, help="requests with --url: model name (default: the server's first)."),
     device: Optional[str] = typer.Option(None, help="Load onto this device (default: what the artifact was built for)."),
     num_cells: Optional[int] = typer.Option(None, help="KV pool size in cells (default: the executor's)."),
+    no_cuda_graphs: bool = typer.Option(
+        False, "--no-cuda-graphs", help="In-process runs without CUDA graphs (then every step runs forward_others)."
+    ),
     timeout: float = typer.Option(600.0, help="Seconds a sweep row, or the whole requests run, may take."),
     eager_peer: bool = typer.Option(True, help="sweep: also time each row's middle step in eager PyTorch."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every number to this JSON file."),
@@ -78,8 +81,8 @@ def locals_without(values: dict, *names: str) -> dict:
 
 def _run(
     artifact, mode, tokens, warmup, iters, decode_cap, prefill_chunk, prompt_tokens, requests, max_new_tokens,
-    stagger_ms, request_rate, seed, token_budget, url, model, device, num_cells, timeout, eager_peer, json_path,
-    plot,
+    stagger_ms, request_rate, seed, token_budget, url, model, device, num_cells, no_cuda_graphs, timeout,
+    eager_peer, json_path, plot,
 ) -> None:
     from rich.console import Console
 
@@ -94,7 +97,7 @@ def _run(
         "decode_cap": decode_cap, "prefill_chunk": prefill_chunk, "prompt_tokens": prompt_tokens,
         "requests": requests, "max_new_tokens": max_new_tokens, "stagger_ms": stagger_ms,
         "request_rate": request_rate, "seed": seed, "token_budget": token_budget, "url": url, "model": model,
-        "device": device, "num_cells": num_cells, "timeout": timeout, "eager_peer": eager_peer, "json": json_path,
+        "device": device, "num_cells": num_cells, "no_cuda_graphs": no_cuda_graphs, "timeout": timeout, "eager_peer": eager_peer, "json": json_path,
         "plot": plot,
     }
     if mode not in MODES:
@@ -115,7 +118,7 @@ def _run(
     raw = read_metadata(artifact).raw if artifact is not None else None  # a missing or bad artifact fails here
     if num_cells is not None and num_cells < 2:
         raise Pt2ServeError(f"--num-cells must be at least 2, got {num_cells}")
-    executor_config = ExecutorConfig(num_cells=num_cells)
+    executor_config = ExecutorConfig(num_cells=num_cells, use_cuda_graphs=not no_cuda_graphs)
     if plot is not None:
         from pt2serve.bench.report import check_plot_support
 
