@@ -500,8 +500,7 @@ def test_clone_sees_the_shared_prefix(executor, toy_model):
     token = rng.randrange(VOCAB)
     clone.append(allocator.allocate(1))
     call = pack([(0, Chunk(clone.cells, (token,), shared + len(branch), GREEDY))], FORWARD_OTHERS, None, None)
-    inputs = regions(torch.from_numpy(call.host), call.sizes)
-    logits = executor.artifact.run(FORWARD_OTHERS, [*inputs, *executor.pools])[0][0]
+    logits = executor.artifact.run(FORWARD_OTHERS, [*call.device_inputs("cpu"), *executor.pools])[0][0]
     expected = EagerSequence(toy_model, 32).extend(prompt[:shared] + branch + [token])[-1]
     assert (logits - expected).abs().max().item() <= 1e-4
     # The check is sensitive: another prefix gives logits that differ by far more than the tolerance.

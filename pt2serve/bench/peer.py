@@ -17,7 +17,7 @@ import torch
 from pt2serve.bench.stats import median
 from pt2serve.contract import FORWARD_OTHERS
 from pt2serve.runtime.executor import Executor
-from pt2serve.runtime.step import Chunk, pack, regions, slice_step
+from pt2serve.runtime.step import Chunk, pack, slice_step
 
 
 class EagerPeer:
@@ -44,8 +44,7 @@ class EagerPeer:
         tokens = []
         for piece in slice_step(chunks, self.max_step_tokens):
             call = pack(piece, FORWARD_OTHERS, None, None)
-            inputs = regions(torch.from_numpy(call.host).to(self.device), call.sizes)
-            logits = self.model(*inputs, self.k_pools, self.v_pools)
+            logits = self.model(*call.device_inputs(self.device), self.k_pools, self.v_pools)
             tokens += logits[: len(call.sampled_chunks)].argmax(-1).tolist()
         return tokens
 

@@ -18,7 +18,7 @@ from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import Artifact
 from pt2serve.runtime.cells import CellAllocator, allocate_kv_pools, cells_that_fit
 from pt2serve.runtime.graphs import capture_all
-from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, regions, slice_step
+from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, slice_step
 
 
 @dataclass(frozen=True)
@@ -110,16 +110,22 @@ class Executor:
             )
         return min(limit, fits)
 
-    def step(self, chunks: list[Chunk]) -> StepResult:
-        """Run one step; the chunks' cells must already be allocated (their K/V are written here)."""
+    def method_calls(self, chunks: list[Chunk]) -> list[tuple[list[tuple[int, Chunk]], MethodCall]]:
+        """How a step runs: each in-order piece of it and the packed call of the method that runs it."""
         meta = self.artifact.metadata
-        tokens: list[int | None] = [None] * len(chunks)
-        calls = []
+        planned = []
         for piece in slice_step(chunks, self.max_step_tokens):
             num_tokens = sum(len(c.tokens) for _, c in piece)
             num_entries = sum(c.end for _, c in piece)
             method, width = choose_method(num_tokens, num_entries, self.forward_sizes, meta.entries_of)
-            call = pack(piece, method, width, meta.entries_of(width) if width else None)
+            planned.append((piece, pack(piece, method, width, meta.entries_of(width) if width else None)))
+        return planned
+
+    def step(self, chunks: list[Chunk]) -> StepResult:
+        """Run one step; the chunks' cells must already be allocated (their K/V are written here)."""
+        tokens: list[int | None] = [None] * len(chunks)
+        calls = []
+        for piece, call in self.method_calls(chunks):
             logits = self._forward(call)
             if call.sampled_chunks:
                 by_index = dict(piece)
@@ -127,15 +133,13 @@ class Executor:
                 ids = self._sample(logits[: len(sampled)], sampled)
                 for index, token in zip(call.sampled_chunks, ids):
                     tokens[index] = token
-            calls.append(CallRecord(method, call.num_tokens))
+            calls.append(CallRecord(call.method, call.num_tokens))
         return StepResult(tuple(tokens), tuple(calls))
 
     def _forward(self, call: MethodCall) -> torch.Tensor:
         if call.width is not None:
             return self._static[call.method].forward(call.host)
-        device_inputs = torch.from_numpy(call.host).to(self.device)
-        inputs = regions(device_inputs, call.sizes)
-        return self.artifact.run(call.method, [*inputs, *self.pools])[0]
+        return self.artifact.run(call.method, [*call.device_inputs(self.device), *self.pools])[0]
 
     def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> list[int]:
         # A compiled method reads its inputs with the strides it was traced with (contiguous), but a

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from pt2serve.contract import FORWARD_OTHERS, SCRATCH_CELL, forward_name
 from pt2serve.runtime.sampling import SamplingParams
@@ -66,6 +67,10 @@ class MethodCall:
     sizes: tuple[int, ...]  # length of each input region, in FORWARD_INPUTS order
     sampled_chunks: tuple[int, ...]  # index (in the step's chunk list) of each output row, in row order
     num_tokens: int  # real tokens, without padding
+
+    def device_inputs(self, device: torch.device | str) -> list[torch.Tensor]:
+        """The input regions on `device`, from one copy of the packed array."""
+        return regions(torch.from_numpy(self.host).to(device), self.sizes)
 
 
 def slice_step(chunks: list[Chunk], max_tokens: int) -> list[list[tuple[int, Chunk]]]:

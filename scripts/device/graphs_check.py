@@ -20,7 +20,7 @@ from pt2serve.model.presets import build_preset_model, toy_greedy_continuation
 from pt2serve.runtime.artifact import load_artifact
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.sampling import SamplingParams
-from pt2serve.runtime.step import Chunk, choose_method, pack, regions, slice_step
+from pt2serve.runtime.step import Chunk, regions
 
 WIDTHS = list(range(1, 66)) + [96, 97]
 GREEDY = SamplingParams()
@@ -84,16 +84,13 @@ def diagnose(executor: Executor, chunks: list[Chunk], expected: list, before: li
     restore()
     artifact, meta = executor.artifact, executor.artifact.metadata
     model = build_preset_model("toy-greedy", meta.kv_dtype, executor.device).eval()
-    for piece in slice_step(chunks, executor.max_step_tokens):
-        num_tokens = sum(len(c.tokens) for _, c in piece)
-        method, width = choose_method(num_tokens, sum(c.end for _, c in piece), executor.forward_sizes,
-                                      meta.entries_of)
-        call = pack(piece, method, width, meta.entries_of(width) if width else None)
+    for piece, call in executor.method_calls(chunks):
+        method = call.method
         print(f"  {method}: sizes {call.sizes}")
         for name, region in zip(("tokens", "positions", "write_cells", "token_seq", "seq_indptr", "logit_rows"),
                                 [r for i, r in enumerate(regions(call.host, call.sizes)) if i != 5]):
             print(f"    {name}: {region.tolist()}")
-        if width is not None:
+        if call.width is not None:
             static = executor._static[method]
             logits = static.forward(call.host)[: len(call.sampled_chunks)]
             staged = torch.equal(static.buffers.device_buffer.cpu(), torch.from_numpy(call.host))
@@ -101,7 +98,7 @@ def diagnose(executor: Executor, chunks: list[Chunk], expected: list, before: li
             print(f"    static path: buffer == host {staged}, host argmax {logits.argmax(-1).tolist()}, "
                   f"device sampler {sampled}, logits stride {logits.stride()}, NaN {bool(logits.isnan().any())}")
             restore()
-        inputs = regions(torch.from_numpy(call.host).to(executor.device), call.sizes)
+        inputs = call.device_inputs(executor.device)
         half = len(executor.pools) // 2
         compiled_pools = [p.clone() for p in executor.pools]
         eager_pools = [p.clone() for p in executor.pools]

@@ -18,7 +18,7 @@ from pt2serve.model.sampling import ArgmaxSampler, Sampler
 from pt2serve.runtime.artifact import load_artifact
 from pt2serve.runtime.cells import allocate_kv_pools
 from pt2serve.runtime.sampling import SamplingParams
-from pt2serve.runtime.step import Chunk, pack, regions
+from pt2serve.runtime.step import Chunk, pack
 
 NUM_CELLS = 1024
 
@@ -50,7 +50,7 @@ def main() -> None:
         entries = None if width is None else meta.entries_of(width)
         piece = mixed_step(width, entries, rng)
         call = pack(piece, method, width, entries)
-        inputs = regions(torch.from_numpy(call.host).to(device), call.sizes)
+        inputs = call.device_inputs(device)
         pools = []
         for _ in range(2):
             storage, k_pools, v_pools = allocate_kv_pools(cache["num_layers"], NUM_CELLS, cache["num_kv_heads"],
