@@ -12,6 +12,13 @@ from rich.console import Console
 from rich.table import Table
 
 from pt2serve.errors import Pt2ServeError
+from pt2serve.export.defaults import (
+    DEFAULT_FORWARD_SIZES,
+    DEFAULT_GRAPH_ENTRIES,
+    DEFAULT_MAX_CELLS,
+    DEFAULT_MAX_STEP_TOKENS,
+    DEFAULT_MIN_PREFILL_CHUNK,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
@@ -40,12 +47,24 @@ def export_command(
     checkpoint: Optional[Path] = typer.Option(None, help="Hugging Face-format checkpoint directory."),
     preset: Optional[str] = typer.Option(None, help="Built-in model with generated weights (e.g. tiny)."),
     dtype: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: bf16 on cuda, fp32 on cpu)."),
-    forward_sizes: str = typer.Option("1,2,4,8,16,32,64", help="Static step widths, increasing."),
-    max_step_tokens: int = typer.Option(4096, help="Widest step forward_others runs."),
-    max_cells: int = typer.Option(65536, help="Largest KV pool (cells) the runtime may allocate."),
+    attention: Optional[str] = typer.Option(
+        None, help="kernel (Triton: each token reads only its own cells; cuda only) or masked (plain PyTorch, "
+        "cost grows with the entry capacity). Default: kernel on cuda, masked on cpu."
+    ),
+    forward_sizes: str = typer.Option(
+        ",".join(map(str, DEFAULT_FORWARD_SIZES)), help="Static step widths, increasing."
+    ),
+    max_step_tokens: int = typer.Option(DEFAULT_MAX_STEP_TOKENS, help="Widest step forward_others runs."),
+    max_cells: int = typer.Option(DEFAULT_MAX_CELLS, help="Largest KV pool (cells) the runtime may allocate."),
     max_context: Optional[int] = typer.Option(None, help="Longest sequence (default: the model's)."),
-    graph_entries: int = typer.Option(16384, help="Context cells one static step may read in total."),
-    min_prefill_chunk: int = typer.Option(32, help="Prefill is not cut into chunks shorter than this."),
+    graph_entries: int = typer.Option(
+        DEFAULT_GRAPH_ENTRIES, help="Context cells one static (graph-captured) step may list in total; steps that "
+        "see more run on forward_others. With the attention kernel this sizes an index buffer (8 bytes a cell), "
+        "not compute; with masked attention every static step pays for all of them."
+    ),
+    min_prefill_chunk: int = typer.Option(
+        DEFAULT_MIN_PREFILL_CHUNK, help="Prefill is not cut into chunks shorter than this."
+    ),
     jobs: Optional[int] = typer.Option(None, help="Parallel compile workers (default: one per core, at most 8; fewer when GPU memory is short)."),
     device_index: int = typer.Option(0, help="GPU to build on."),
 ) -> None:
@@ -59,7 +78,7 @@ def export_command(
             "compiled method serves any mix of sequences (an in-graph, single-sequence cache is not supported)"
         )
     options = ExportOptions(
-        backend=backend, output=output, checkpoint=checkpoint, preset=preset, dtype=dtype,
+        backend=backend, output=output, checkpoint=checkpoint, preset=preset, dtype=dtype, attention=attention,
         forward_sizes=parse_sizes(forward_sizes), max_step_tokens=max_step_tokens, max_cells=max_cells,
         max_context=max_context, graph_entries=graph_entries, min_prefill_chunk=min_prefill_chunk, jobs=jobs,
         device_index=device_index,
@@ -100,7 +119,7 @@ def inspect_command(
         ("layers / hidden / heads / kv heads / head dim",
          f"{cfg['num_layers']} / {cfg['hidden_size']} / {cfg['num_heads']} / {cfg['num_kv_heads']} / {cfg['head_dim']}"),
         ("vocab size", meta["vocab_size"]),
-        ("dtype / backend", f"{meta['dtype']} / {meta['backend']}"),
+        ("dtype / backend / attention", f"{meta['dtype']} / {meta['backend']} / {meta.get('attention', 'masked')}"),
         ("max context", meta["max_context"]),
         ("max cells", meta["max_cells"]),
         ("forward sizes", ", ".join(map(str, meta["forward_sizes"]))),

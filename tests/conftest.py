@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pt2serve.export.exporter import export
-from pt2serve.export.options import ExportOptions
+if not torch.cuda.is_available():
+    # Triton kernels run through its interpreter on the CPU; it is chosen when a kernel is defined, so this
+    # must be set before pt2serve.kernels is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pt2serve.export.exporter import export  # noqa: E402
+from pt2serve.export.options import ExportOptions  # noqa: E402
 
 # Small enough to export quickly on 2 cores, wide enough for every width test (1..65, 96, 97, > max).
 TEST_MAX_CONTEXT = 256

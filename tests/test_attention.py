@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pt2serve.model.attention import visibility_mask
+from pt2serve.kernels.cell_attention import visibility_mask
 from pt2serve.model.eager import EagerSequence
 from pt2serve.model.presets import build_preset_model
 

@@ -18,6 +18,7 @@ import torch
 import torch._inductor
 
 from pt2serve.export.methods import MethodSpec, trace_forward, trace_sampler
+from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.model import Transformer
 
@@ -33,6 +34,7 @@ class CompileJob:
     device: str
     max_step_tokens: int
     max_cells: int
+    attention: AttentionImpl
 
 
 def inductor_options() -> dict:
@@ -50,8 +52,10 @@ def _init_worker(threads_per_worker: int) -> None:
 
 
 @functools.cache
-def _worker_model(checkpoint: str | None, preset: str | None, dtype: torch.dtype, device: str) -> Transformer:
-    _config, model, _tokenizer = load_model(checkpoint, preset, dtype, device)
+def _worker_model(
+    checkpoint: str | None, preset: str | None, dtype: torch.dtype, device: str, attention: AttentionImpl
+) -> Transformer:
+    _config, model, _tokenizer = load_model(checkpoint, preset, dtype, device, attention)
     return model.eval()
 
 
@@ -66,7 +70,7 @@ def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[s
 
 def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, list]:
     if model is None:
-        model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device)
+        model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.attention)
     if job.spec.name.startswith("forward"):
         program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)
     else:

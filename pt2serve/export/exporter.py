@@ -37,13 +37,15 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     if mismatch:
         warn_about(mismatch)
     checkpoint = str(options.checkpoint) if options.checkpoint is not None else None
-    config, model, tokenizer = load_model(checkpoint, options.preset, options.torch_dtype, options.device)
+    config, model, tokenizer = load_model(
+        checkpoint, options.preset, options.torch_dtype, options.device, options.attention_impl
+    )
     model.eval()
     max_context = options.validate_for_model(config.max_position_embeddings)
     specs = method_specs(options.forward_sizes, lambda width: options.entries_for(width, max_context))
     jobs = [
         CompileJob(spec, checkpoint, options.preset, options.torch_dtype, options.device,
-                   options.max_step_tokens, options.max_cells)
+                   options.max_step_tokens, options.max_cells, options.attention_impl)
         for spec in specs
     ]
     internal = {spec.name: internal_model_name(i) for i, spec in enumerate(specs)}
@@ -111,6 +113,7 @@ def build_metadata(
         "min_prefill_chunk": options.min_prefill_chunk,
         "dtype": options.dtype_name,
         "backend": options.backend,
+        "attention": options.attention_impl.value,
         "methods": {
             spec.name: {"internal_name": internal[spec.name], "width": spec.width, "num_entries": spec.num_entries}
             for spec in specs

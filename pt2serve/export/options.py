@@ -10,14 +10,17 @@ from pathlib import Path
 import torch
 
 from pt2serve.errors import Pt2ServeError
+from pt2serve.export.defaults import (
+    DEFAULT_FORWARD_SIZES,
+    DEFAULT_GRAPH_ENTRIES,
+    DEFAULT_MAX_CELLS,
+    DEFAULT_MAX_STEP_TOKENS,
+    DEFAULT_MIN_PREFILL_CHUNK,
+)
+from pt2serve.kernels import cell_attention
+from pt2serve.model.attention import AttentionImpl
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
-DEFAULT_MAX_STEP_TOKENS = 4096
-DEFAULT_MAX_CELLS = 65536
-# Cells a static (graph-captured) step may gather in total; wider contexts run on forward_others.
-DEFAULT_GRAPH_ENTRIES = 16384
-DEFAULT_MIN_PREFILL_CHUNK = 32
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class ExportOptions:
     checkpoint: Path | None = None
     preset: str | None = None
     dtype: str | None = None  # None: bf16 on cuda, fp32 on cpu
+    attention: str | None = None  # None: the Triton kernel on cuda, the masked PyTorch path on cpu
     forward_sizes: tuple[int, ...] = DEFAULT_FORWARD_SIZES
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
     max_cells: int = DEFAULT_MAX_CELLS
@@ -43,6 +47,12 @@ class ExportOptions:
     @property
     def dtype_name(self) -> str:
         return self.dtype or ("bf16" if self.backend == "cuda" else "fp32")
+
+    @property
+    def attention_impl(self) -> AttentionImpl:
+        if self.attention is not None:
+            return AttentionImpl(self.attention)
+        return AttentionImpl.KERNEL if self.backend == "cuda" else AttentionImpl.MASKED
 
     @property
     def device(self) -> str:
@@ -65,8 +75,7 @@ class ExportOptions:
     def entries_for(self, width: int, max_context: int) -> int:
         """Entry capacity of the static method of this width: its fixed seq_cells length.
 
-        The plain attention path gathers every entry, so this bounds a graphed step's cost; steps that
-        see more context run on forward_others instead.
+        Steps that see more context run on forward_others instead.
         """
         return min(width * max_context, self.graph_entries)
 
@@ -76,6 +85,16 @@ class ExportOptions:
             raise Pt2ServeError(f"--backend must be cuda or cpu, got {self.backend!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise Pt2ServeError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        impls = [impl.value for impl in AttentionImpl]
+        if self.attention is not None and self.attention not in impls:
+            raise Pt2ServeError(f"--attention must be one of {', '.join(impls)}, got {self.attention!r}")
+        if self.attention_impl is AttentionImpl.KERNEL:
+            if self.backend != "cuda":
+                raise Pt2ServeError("--attention kernel needs --backend cuda (AOTInductor compiles the Triton kernel "
+                                    "for a GPU); use --attention masked for the cpu backend")
+            if not cell_attention.is_available():
+                raise Pt2ServeError("--attention kernel needs the triton package: pip install triton, "
+                                    "or export with --attention masked")
         if (self.checkpoint is None) == (self.preset is None):
             raise Pt2ServeError("give exactly one of --checkpoint DIR or --preset NAME")
         sizes = self.forward_sizes

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from pt2serve.errors import Pt2ServeError
+from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.config import ModelConfig
 from pt2serve.model.model import Transformer, rope_inv_freq, stacked_projections
 from pt2serve.tokenizer import TokenizerFiles, read_tokenizer_config
@@ -39,7 +40,9 @@ class Checkpoint:
     source: str  # the directory it came from
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> Checkpoint:
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu", attention: AttentionImpl = AttentionImpl.MASKED
+) -> Checkpoint:
     """Load a Hugging Face checkpoint directory into a Transformer in `dtype` on `device`."""
     root = Path(path)
     if not root.is_dir():
@@ -49,7 +52,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, device: str | torch.de
 
     # Build without allocating, then allocate once in the target dtype and device and fill from the files.
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, attention)
     model = model.to(dtype).to_empty(device=device)
     load_weights(model, files)
     # Not in checkpoints; kept in fp32 (to_empty left it uninitialised, .to(dtype) would have rounded it).
@@ -59,7 +62,11 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, device: str | torch.de
 
 
 def load_model(
-    checkpoint: str | Path | None, preset: str | None, dtype: torch.dtype, device: str | torch.device = "cpu"
+    checkpoint: str | Path | None,
+    preset: str | None,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    attention: AttentionImpl = AttentionImpl.MASKED,
 ) -> tuple[ModelConfig, Transformer, TokenizerFiles | None]:
     """(config, model, tokenizer) from a checkpoint directory or a built-in preset; exactly one must be given."""
     if (checkpoint is None) == (preset is None):
@@ -68,13 +75,13 @@ def load_model(
             f"give exactly one of a checkpoint directory or a preset name ({given} was given)"
         )
     if checkpoint is not None:
-        loaded = load_checkpoint(checkpoint, dtype, device)
+        loaded = load_checkpoint(checkpoint, dtype, device, attention)
         return loaded.config, loaded.model, loaded.tokenizer
     # Imported here: presets build random weights and tokenizers this module otherwise has no use for.
     from pt2serve.model.presets import build_preset_model, get_preset
 
     found = get_preset(preset)
-    return found.config, build_preset_model(preset, dtype, device).eval(), found.tokenizer
+    return found.config, build_preset_model(preset, dtype, device, attention).eval(), found.tokenizer
 
 
 def read_config(path: Path) -> ModelConfig:

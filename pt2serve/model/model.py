@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pt2serve.model.attention import cell_attention, visibility_mask
+from pt2serve.model.attention import AttentionImpl, StepAttention
 from pt2serve.model.config import ModelConfig, RopeScaling
 
 
@@ -77,8 +77,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         write_cells: torch.Tensor,  # [T]
-        seq_cells: torch.Tensor,  # [E]
-        mask: torch.Tensor,  # [T, E]
+        attend: StepAttention,
         k_pool: torch.Tensor,  # [C, KVH, D], written in place
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
@@ -92,7 +91,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_pool.index_copy_(0, write_cells, k.to(k_pool.dtype))
         v_pool.index_copy_(0, write_cells, v.to(v_pool.dtype))
-        out = cell_attention(q, k_pool, v_pool, seq_cells, mask)
+        out = attend(q, k_pool, v_pool)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -115,8 +114,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, write_cells, seq_cells, mask, k_pool, v_pool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, write_cells, seq_cells, mask, k_pool, v_pool)
+    def forward(self, x, cos, sin, write_cells, attend, k_pool, v_pool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, write_cells, attend, k_pool, v_pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -132,9 +131,10 @@ def stacked_projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ..
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attention: AttentionImpl = AttentionImpl.MASKED) -> None:
         super().__init__()
         self.config = cfg
+        self.attention = attention
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -155,13 +155,16 @@ class Transformer(nn.Module):
         k_pools: list[torch.Tensor],  # per layer [C, KVH, D]
         v_pools: list[torch.Tensor],
     ) -> torch.Tensor:  # [S, vocab] fp32
-        mask = visibility_mask(positions, token_seq, seq_indptr, seq_cells.shape[0])
+        cfg = self.config
+        attend = StepAttention(
+            self.attention, cfg.num_heads, cfg.num_kv_heads, positions, token_seq, seq_indptr, seq_cells
+        )
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()
         x = self.embed_tokens(tokens)
         for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
-            x = layer(x, cos, sin, write_cells, seq_cells, mask, k_pool, v_pool)
+            x = layer(x, cos, sin, write_cells, attend, k_pool, v_pool)
         x = self.norm(x.index_select(0, logit_rows))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()

@@ -15,6 +15,7 @@ import torch
 
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.config import ModelConfig, RopeScaling
+from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.model import Transformer, rope_inv_freq
 from pt2serve.tokenizer import TokenizerFiles
 
@@ -79,11 +80,13 @@ def get_preset(name: str) -> Preset:
     return Preset(name, CONFIGS[name], tokenizer)
 
 
-def build_preset_model(name: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> Transformer:
+def build_preset_model(
+    name: str, dtype: torch.dtype, device: str | torch.device = "cpu", attention: AttentionImpl = AttentionImpl.MASKED
+) -> Transformer:
     """The preset's model with its generated weights, on `device` in `dtype`."""
     preset = get_preset(name)
     with torch.device("meta"):
-        model = Transformer(preset.config)
+        model = Transformer(preset.config, attention)
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(SEED)
     with torch.no_grad():

@@ -1,0 +1,1 @@
+"""GPU operators (Triton), each beside the plain PyTorch reference it is tested against."""

@@ -1,0 +1,355 @@
+"""Attention over the cell pool: a Triton operator that reads only each token's own cells, and the plain
+PyTorch reference it must agree with.
+
+A step holds T tokens of R sequences (see model/attention.py for the step data). The operator takes one
+more derived array, `query_indptr` [R+1]: sequence r's tokens are rows query_indptr[r] .. query_indptr[r+1]
+of q (a step's chunks are consecutive runs of tokens, one sequence each).
+
+Work is cut into programs of (query block, KV head, split):
+- a query block is up to BLOCK_Q consecutive tokens of ONE sequence, times the GROUP query heads that share
+  a KV head, stacked as BLOCK_M = BLOCK_Q * GROUP rows, so each K/V cell is loaded once per KV head;
+- the grid's first axis is an upper bound on the number of query blocks, T // BLOCK_Q + R (each sequence
+  adds at most one partial block); `block_seq` says which sequence each block belongs to (derived once per
+  step by `block_sequences`, so a program finds its work in one load), so nothing about the step's layout
+  comes from host shapes and a CUDA graph can replay any step;
+- a sequence with at most BLOCK_Q tokens (decodes, short chunks) splits its KV walk over up to
+  `num_splits` programs (flash-decoding), so one long sequence still fills the GPU; their partial results
+  are merged by a second kernel. Longer chunks walk their KV in one program per block (flash attention
+  tiles), causal inside the chunk.
+Every program only reads the cells at positions 0 .. its last token's position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:  # Triton is needed to build GPU artifacts (and to run the kernels under TRITON_INTERPRET=1 on a CPU).
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+# Small static widths split their walks until about this many programs exist. Wider ones fill the GPU
+# with (query block, KV head) programs alone and skip the merge kernel's launch (2.7 us a layer, H200).
+TARGET_PROGRAMS = 512
+
+
+def is_available() -> bool:
+    return triton is not None
+
+
+def query_indptr(token_seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[R+1]: where each sequence's tokens start in the step (tokens of one sequence are consecutive)."""
+    counts = torch.zeros(num_seqs, dtype=token_seq.dtype, device=token_seq.device)
+    counts = counts.scatter_add(0, token_seq, torch.ones_like(token_seq))
+    return torch.cat((counts.new_zeros(1), counts.cumsum(0)))
+
+
+def block_sequences(query_indptr: torch.Tensor, num_blocks: int, block_q: int) -> torch.Tensor:
+    """[num_blocks]: the sequence each query block belongs to (blocks past the last real one: the last sequence).
+
+    Sequence r's blocks start at query_indptr[r] // block_q + r, a strictly increasing number, so marking
+    each start and counting the marks up to a block gives its sequence.
+    """
+    num_seqs = query_indptr.shape[0] - 1
+    first_block = query_indptr[:-1] // block_q + torch.arange(num_seqs, device=query_indptr.device)
+    marks = torch.zeros(num_blocks, dtype=query_indptr.dtype, device=query_indptr.device)
+    marks = marks.index_put((first_block,), torch.ones_like(first_block))
+    return marks.cumsum(0) - 1
+
+
+# -- the plain PyTorch reference (the CPU implementation) ---------------------------------------------------
+
+
+def visibility_mask(
+    positions: torch.Tensor, token_seq: torch.Tensor, seq_indptr: torch.Tensor, num_entries: int
+) -> torch.Tensor:
+    """[T, E] bool: may token t attend to entry e of seq_cells."""
+    entry = torch.arange(num_entries, device=positions.device, dtype=seq_indptr.dtype)
+    num_seqs = seq_indptr.shape[0] - 1
+    # The sequence of entry e is the last r with seq_indptr[r] <= e. Searched over the whole indptr, not
+    # a slice of it: Inductor's GPU searchsorted ignores a sliced boundary tensor's offset (silently off
+    # by one; pytorch/pytorch#182343).
+    entry_seq = (torch.searchsorted(seq_indptr, entry, right=True) - 1).clamp(min=0, max=num_seqs - 1)
+    entry_pos = entry - seq_indptr[entry_seq]
+    is_used = entry < seq_indptr[-1]
+    same_seq = token_seq[:, None] == entry_seq[None, :]
+    is_causal = entry_pos[None, :] <= positions[:, None]
+    return same_seq & is_causal & is_used[None, :]
+
+
+def masked_cell_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_pool: torch.Tensor,  # [C, KVH, D]
+    v_pool: torch.Tensor,  # [C, KVH, D]
+    seq_cells: torch.Tensor,  # [E]
+    mask: torch.Tensor,  # [T, E] from visibility_mask
+) -> torch.Tensor:  # [T, H, D]
+    """Attention of each token over the cells its mask allows: gathers every entry, so it costs O(T * E).
+
+    Written as explicit matmuls rather than scaled_dot_product_attention: SDPA's GPU kernels pad the
+    mask's last dim, which puts guards on the dynamic entry count that torch.export cannot discharge.
+    Query heads sharing a KV head are stacked, so K/V are gathered once per KV head (no repeat).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_heads // num_kv_heads
+    k = k_pool.index_select(0, seq_cells).transpose(0, 1)  # [KVH, E, D]
+    v = v_pool.index_select(0, seq_cells).transpose(0, 1)
+    q = q.view(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, T, D]
+    q = q.reshape(num_kv_heads, group * num_tokens, head_dim)
+    scores = torch.matmul(q, k.transpose(1, 2)) * (head_dim**-0.5)  # [KVH, G*T, E]
+    # The most negative finite value, not -inf: a row that sees nothing (never a real token's) then
+    # stays finite, so no NaN can reach the pool and spread through 0 * NaN to other tokens' rows.
+    scores = scores.view(num_kv_heads, group, num_tokens, -1).masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs.view(num_kv_heads, group * num_tokens, -1), v)  # [KVH, G*T, D]
+    return out.view(num_kv_heads, group, num_tokens, head_dim).permute(2, 0, 1, 3).reshape(num_tokens, num_heads, head_dim)
+
+
+# -- the Triton operator --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes, split rule and launch shape of one call site (fixed when the method is traced)."""
+
+    block_q: int  # tokens of one sequence per program
+    block_m: int  # rows per program: block_q tokens x the query heads of one KV head, at least 16 for tl.dot
+    block_n: int  # cells per step of the KV walk
+    max_splits: int  # programs that may share one short sequence's KV walk
+    min_split: int  # cells a split walks at least: fewer would cost more in merging than they save
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def for_call(cls, num_tokens: int | None, num_seqs: int, num_heads: int, num_kv_heads: int) -> "LaunchConfig":
+        """Small query tiles and enough splits to fill the GPU where the width is static (decode-sized steps);
+        flash-attention tiles where it is dynamic (num_tokens None: prefill-sized steps), with a few splits so
+        one long decode in a wide step does not become its tail, at the cost of a few programs that exit at
+        once."""
+        # Chosen on the H200 (scripts/device/attention_tune.py, llama-3.1-8b heads, bf16; docs/benchmarks.md):
+        # three pipeline stages pay at every width (64 decodes at 4k context: 302 -> 247 us); 64-row tiles at
+        # 4 warps prefill as fast as 128-row ones at 8 (228 vs 216 TFLOP/s at T=4096) and win on mixed steps.
+        group = num_heads // num_kv_heads
+        if num_tokens is None:
+            rows = max(64, triton.next_power_of_2(group))
+            return cls(rows // group, rows, 64, 4, 256, num_warps=4, num_stages=3)
+        rows = max(16, triton.next_power_of_2(group))
+        block_q = rows // group
+        num_blocks = num_tokens // block_q + num_seqs
+        splits = max(1, min(MAX_SPLITS, TARGET_PROGRAMS // (num_blocks * num_kv_heads)))
+        return cls(block_q, rows, 64, splits, 128, num_warps=4, num_stages=3)
+
+    def num_blocks(self, num_tokens, num_seqs):
+        """The grid's upper bound on query blocks: each sequence adds at most one partial block."""
+        return num_tokens // self.block_q + num_seqs
+
+
+if triton is not None:
+
+    @triton.jit
+    def _num_splits(num_queries, num_entries, max_splits, BLOCK_Q: tl.constexpr, MIN_SPLIT: tl.constexpr):
+        """How many programs share one sequence's KV walk (the same rule in both kernels)."""
+        splits = tl.cdiv(num_entries, MIN_SPLIT)
+        splits = tl.minimum(tl.maximum(splits, 1), max_splits)
+        return tl.where(num_queries > BLOCK_Q, 1, splits)
+
+    @triton.jit
+    def _cell_attention_kernel(
+        out_ptr,  # [T, H, D], q's dtype
+        partial_out_ptr,  # [T, H, S, D] fp32: unnormalised partial outputs of split walks
+        partial_stats_ptr,  # [T, H, S, 2] fp32: running max (log2 units) and sum of each split
+        q_ptr,  # [T, H, D]
+        k_pool_ptr,  # [C, KVH, D]
+        v_pool_ptr,
+        positions_ptr,  # [T]
+        query_indptr_ptr,  # [R+1]
+        seq_indptr_ptr,  # [R+1]
+        seq_cells_ptr,  # [E]
+        block_seq_ptr,  # [grid's query blocks]
+        max_splits,
+        NUM_HEADS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MIN_SPLIT: tl.constexpr,
+        SCALE_LOG2: tl.constexpr,  # softmax scale * log2(e): exp2 instead of exp
+        PRECISION: tl.constexpr,
+    ):
+        GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+        block = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+
+        seq = tl.load(block_seq_ptr + block)
+        query_start = tl.load(query_indptr_ptr + seq)
+        num_queries = tl.load(query_indptr_ptr + seq + 1) - query_start
+        first_query = (block - (query_start // BLOCK_Q + seq)) * BLOCK_Q
+        if first_query >= num_queries:
+            return  # the grid is an upper bound on the number of query blocks
+        entry_start = tl.load(seq_indptr_ptr + seq)
+        num_entries = tl.load(seq_indptr_ptr + seq + 1) - entry_start
+        splits = _num_splits(num_queries, num_entries, max_splits, BLOCK_Q, MIN_SPLIT)
+        if split >= splits:
+            return
+
+        # Rows: BLOCK_Q tokens x GROUP heads of this KV head, token-major.
+        rows = tl.arange(0, BLOCK_M)
+        query = first_query + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_ok = (rows < BLOCK_Q * GROUP) & (query < num_queries)
+        token = (query_start + query).to(tl.int64)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        q_offsets = (token * NUM_HEADS + head)[:, None] * HEAD_DIM + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        position = tl.load(positions_ptr + token, mask=row_ok, other=0)
+
+        # This block sees entries 0 .. its last token's position (never past its sequence's own entries);
+        # a split takes a BLOCK_N-aligned share of them.
+        last_query = tl.minimum(num_queries, first_query + BLOCK_Q) - 1
+        entry_end = tl.minimum(tl.load(positions_ptr + query_start + last_query) + 1, num_entries)
+        per_split = tl.cdiv(tl.cdiv(entry_end, splits), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(entry_end, lo + per_split)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            entry = start + tl.arange(0, BLOCK_N)
+            entry_ok = entry < hi
+            cell = tl.load(seq_cells_ptr + entry_start + entry, mask=entry_ok, other=0)
+            kv_offsets = (cell * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+            kv_mask = entry_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE_LOG2
+            visible = entry_ok[None, :] & (entry[None, :] <= position[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            # A row that has seen nothing yet keeps m = -inf; shift by 0 there so no -inf - -inf = NaN appears.
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(scores - shift[:, None])
+            alpha = tl.math.exp2(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        out_mask = row_ok[:, None] & dim_ok[None, :]
+        if splits == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            slot = (token * NUM_HEADS + head) * max_splits + split
+            tl.store(partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+            tl.store(partial_stats_ptr + slot * 2, m_i, mask=row_ok)
+            tl.store(partial_stats_ptr + slot * 2 + 1, l_i, mask=row_ok)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        out_ptr,  # [T, H, D]
+        partial_out_ptr,  # [T, H, S, D]
+        partial_stats_ptr,  # [T, H, S, 2]
+        token_seq_ptr,  # [T]
+        query_indptr_ptr,
+        seq_indptr_ptr,
+        max_splits,
+        NUM_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        MIN_SPLIT: tl.constexpr,
+    ):
+        """One (token, head): combine its splits' partial results; tokens walked by one program are done."""
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        seq = tl.load(token_seq_ptr + token)
+        num_queries = tl.load(query_indptr_ptr + seq + 1) - tl.load(query_indptr_ptr + seq)
+        num_entries = tl.load(seq_indptr_ptr + seq + 1) - tl.load(seq_indptr_ptr + seq)
+        splits = _num_splits(num_queries, num_entries, max_splits, BLOCK_Q, MIN_SPLIT)
+        if splits == 1:
+            return
+        index = tl.arange(0, BLOCK_S)
+        split_ok = index < splits
+        slot = (token * NUM_HEADS + head) * max_splits + index
+        m = tl.load(partial_stats_ptr + slot * 2, mask=split_ok, other=float("-inf"))
+        l = tl.load(partial_stats_ptr + slot * 2 + 1, mask=split_ok, other=0.0)
+        m_max = tl.max(m, 0)  # finite: split 0 always holds entry 0, which every token sees
+        weight = tl.where(split_ok, tl.math.exp2(m - m_max), 0.0)
+        total = tl.sum(weight * l, 0)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        partial = tl.load(partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :],
+                          mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+        out = tl.sum(partial * weight[:, None], 0) / total
+        tl.store(out_ptr + (token * NUM_HEADS + head) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+    def launch_cell_attention(
+        q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq, config: LaunchConfig
+    ) -> torch.Tensor:
+        """Run both kernels with an explicit launch config (the operator picks one per call site)."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k_pool.shape[1]
+        splits = config.max_splits
+        block_d = triton.next_power_of_2(head_dim)
+        out = torch.empty_like(q)
+        partial_out = q.new_empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32)
+        partial_stats = q.new_empty((num_tokens, num_heads, splits, 2), dtype=torch.float32)
+        torch.library.wrap_triton(_cell_attention_kernel)[(block_seq.shape[0], num_kv_heads, splits)](
+            out, partial_out, partial_stats, q, k_pool, v_pool, positions, query_indptr, seq_indptr, seq_cells,
+            block_seq, splits,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_Q=config.block_q, BLOCK_M=config.block_m, BLOCK_N=config.block_n, MIN_SPLIT=config.min_split,
+            SCALE_LOG2=head_dim**-0.5 * LOG2E,
+            # fp32 artifacts are compared token for token with fp32 references: no tf32 in their dots.
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        if splits > 1:
+            torch.library.wrap_triton(_merge_splits_kernel)[(num_tokens, num_heads)](
+                out, partial_out, partial_stats, token_seq, query_indptr, seq_indptr, splits,
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
+                BLOCK_Q=config.block_q, MIN_SPLIT=config.min_split, num_warps=4,
+            )
+        return out
+
+    @torch.library.triton_op("pt2serve::cell_attention", mutates_args=())
+    def cell_attention(
+        q: torch.Tensor,  # [T, H, D]
+        k_pool: torch.Tensor,  # [C, KVH, D]
+        v_pool: torch.Tensor,
+        positions: torch.Tensor,  # [T]
+        token_seq: torch.Tensor,  # [T]
+        query_indptr: torch.Tensor,  # [R+1]
+        seq_indptr: torch.Tensor,  # [R+1]
+        seq_cells: torch.Tensor,  # [E]
+        block_seq: torch.Tensor,  # [query blocks], from block_sequences with this config
+        block_q: int,  # the LaunchConfig fields, in order: fixed in the traced graph, never re-derived
+        block_m: int,
+        block_n: int,
+        max_splits: int,
+        min_split: int,
+        num_warps: int,
+        num_stages: int,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Each token attends over its own sequence's cells at positions 0 .. its own position."""
+        config = LaunchConfig(block_q, block_m, block_n, max_splits, min_split, num_warps, num_stages)
+        return launch_cell_attention(
+            q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq, config
+        )
+
+
+def call_site_config(num_tokens, num_seqs, num_heads: int, num_kv_heads: int) -> LaunchConfig:
+    """The config of a call site: a static method's width is an int when it is traced, forward_others' is
+    symbolic."""
+    return LaunchConfig.for_call(num_tokens if isinstance(num_tokens, int) else None, num_seqs, num_heads, num_kv_heads)
