@@ -153,8 +153,9 @@ def test_rows_with_wrong_widths_are_flagged_not_hidden():
     decode = StepShape(4, 4, 4, 40, 40)
     short = StepShape(3, 3, 3, 30, 30)
     shapes = [StepShape(8, 4, 0, 8, 20), decode, decode, short, decode, decode]
-    timings = [StepTiming(0.01 * i, 0.01 * i + 0.004, shape, ("forward_4",)) for i, shape in enumerate(shapes)]
-    history = [StepRecord(i + 1, s.width, 0 if i == 0 else s.num_chunks, (), 0.004) for i, s in enumerate(shapes)]
+    timings = [StepTiming(0.01 * i, 0.01 * i + 0.009, shape, ("forward_4",), 0.004) for i, shape in enumerate(shapes)]
+    history = [StepRecord(i + 1, s.width, 0 if i == 0 else s.num_chunks, (), 0.009, 0.004)
+               for i, s in enumerate(shapes)]
     limits = MachineLimits("cpu", "fp32", 1e10, 1e10, 0, 0, 0.0)
     cost = ModelCost(1000, 1000, 100, 10, 16, 8)
     row = _analyse(plan, timings, history, [], SweepOptions(warmup=1, iters=3), cost, limits)

@@ -160,16 +160,16 @@ def test_two_hundred_mixed_requests_leave_the_pool_empty(toy_artifact):
 
 def test_a_failing_step_fails_only_its_requests(toy_artifact):
     runner = open_runner(toy_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
-    real_step = runner.executor.step
+    real_launch = runner.executor.launch
     armed = threading.Event()
 
-    def flaky_step(chunks):
+    def flaky_launch(chunks):
         if armed.is_set():
             armed.clear()
             raise RuntimeError("injected device failure")
-        return real_step(chunks)
+        return real_launch(chunks)
 
-    runner.executor.step = flaky_step
+    runner.executor.launch = flaky_launch
     try:
         armed.set()
         failed = runner.generate([256, 1, 2], max_new_tokens=4)
@@ -202,3 +202,54 @@ def test_stop_strings_end_the_text(tiny_runner):
     stopped = tiny_runner.generate("stop test", max_new_tokens=30, ignore_eos=True, stop_strings=(stop,))
     assert stopped.finish_reason is FinishReason.STOP
     assert stopped.text == free.text[: free.text.index(stop)]
+
+
+class RecordingExecutor:
+    """The real executor, with the order of launches and result reads recorded."""
+
+    def __init__(self, executor) -> None:
+        self._executor = executor
+        self.log: list[tuple[str, int]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._executor, name)
+
+    def launch(self, chunks):
+        index = sum(kind == "launch" for kind, _ in self.log)
+        self.log.append(("launch", index))
+        pending = self._executor.launch(chunks)
+        log = self.log
+
+        class Recorded:
+            def result(self):
+                log.append(("result", index))
+                return pending.result()
+
+        return Recorded()
+
+
+def test_the_next_step_is_launched_before_the_last_ones_ids_are_read(toy_artifact):
+    """One step in flight: step k+1 is planned, packed and launched before step k's ids are read, and the
+    decodes fed by in-flight samples still produce every request's exact tokens."""
+    from pt2serve.runtime.artifact import load_artifact
+    from pt2serve.runtime.executor import Executor
+    from pt2serve.runtime.runner import Runner
+
+    executor = RecordingExecutor(Executor(load_artifact(toy_artifact), CELLS))
+    runner = Runner(executor, config=RunnerConfig(token_budget=64))
+    try:
+        batch = prompts(6, seed=3)
+        handles = [runner.submit(p, max_new_tokens=12) for p in batch]
+        for handle, prompt in zip(handles, batch):
+            assert handle.result(timeout=300).token_ids == toy_greedy_continuation(prompt, 12)
+        wait_until_idle(runner)
+        assert runner.executor.allocator.num_used == 0
+    finally:
+        runner.close()
+    order = {entry: position for position, entry in enumerate(executor.log)}
+    launches = [index for kind, index in executor.log if kind == "launch"]
+    assert len(launches) >= 12
+    overlapped = [k for k in launches[:-1] if order[("launch", k + 1)] < order[("result", k)]]
+    # Every step that has a successor was still unread when that successor was launched (the engine only
+    # waits on a step with nothing else to launch: at the very end).
+    assert len(overlapped) == len(launches) - 1

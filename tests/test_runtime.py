@@ -382,7 +382,7 @@ def test_sampling_follows_the_strides_of_padded_logits(executor):
     expected = logits.argmax(-1).tolist()
     for sampling in (GREEDY, TOP1):  # sample_argmax, then sample
         chunks = [Chunk(np.arange(1), (1,), 0, sampling, uniform=0.5)] * len(expected)
-        assert executor._sample(logits, chunks) == expected, sampling
+        assert executor._sample(logits, chunks).tolist() == expected, sampling
 
 
 def test_sample_argmax_is_argmax(executor):

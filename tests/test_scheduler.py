@@ -7,7 +7,7 @@ import pytest
 from pt2serve.runtime.cells import CellAllocator
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec, RequestStatus
 from pt2serve.runtime.sampling import RequestRandom
-from pt2serve.runtime.scheduler import Scheduler, SchedulerConfig
+from pt2serve.runtime.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig
 
 NEXT_TOKEN = 5
 
@@ -179,3 +179,60 @@ def add_request_with(scheduler: Scheduler, prompt: list[int], max_new: int = 4, 
     request = Request(next(_ids), RequestSpec(tuple(prompt), max_new, **spec), list(prompt), RequestRandom(0))
     scheduler.add(request)
     return request
+
+
+# -- planning with one step in flight --------------------------------------------------------------------
+
+
+def test_a_plan_made_while_the_last_runs_decodes_its_in_flight_samples():
+    scheduler = make_scheduler(min_chunk=1)
+    request = add_request(scheduler, 5, max_new=3)
+    prefill = scheduler.plan()
+    decode = scheduler.plan()  # before the prefill's sample is known
+    (chunk,) = decode.chunks
+    assert chunk.start == 5 and chunk.previous_sample == 0 and chunk.samples
+    (executor_chunk,) = scheduler.executor_chunks(decode)
+    assert executor_chunk.previous_sample == 0 and executor_chunk.tokens == (PLACEHOLDER_TOKEN,)
+    assert request.num_unresolved == 2 and request.num_computed == 6
+    scheduler.commit(prefill, (11,))
+    third = scheduler.plan()  # feeds on the decode's in-flight sample
+    assert third.chunks[0].start == 6 and third.chunks[0].previous_sample == 0
+    assert not scheduler.plan().chunks  # three samples are scheduled: max_new reached, nothing more to plan
+    scheduler.commit(decode, (12,))
+    events = scheduler.commit(third, (13,))
+    assert request.tokens[5:] == [11, 12, 13]
+    assert events[-1].finish_reason is FinishReason.LENGTH
+    assert scheduler.allocator.num_used == 0
+
+
+def test_a_stop_token_found_late_drops_the_queued_decode_and_its_cell():
+    scheduler = make_scheduler(min_chunk=1, max_sessions=2)
+    request = add_request(scheduler, 4, stop_token_ids=frozenset({9}), session_id="s")
+    prefill = scheduler.plan()
+    decode = scheduler.plan()
+    events = scheduler.commit(prefill, (9,))
+    assert events[0].finish_reason is FinishReason.STOP and request.status is RequestStatus.FINISHED
+    assert scheduler.commit(decode, (3,)) == []  # the queued decode's sample is dropped
+    # The session keeps the cells of the known tokens: 4 prompt tokens + the stop token, whose K/V the queued
+    # decode writes (stream order puts that before any later step that reuses them).
+    assert len(scheduler.sessions.take("s").cells) == 5
+
+
+def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
+    scheduler = make_scheduler(num_cells=12, budget=16, min_chunk=1)
+    first = add_request(scheduler, 8, max_new=1)
+    prefill = scheduler.plan()
+    second = add_request(scheduler, 6, max_new=2)
+    # The first request has its one sample in flight and nothing left to schedule; the second needs 6 cells
+    # of the 3 free: the first is preempted (its queued step still runs on cells that later, ordered steps
+    # reuse).
+    plan = scheduler.plan()
+    assert [c.request_id for c in plan.chunks] == [second.id]
+    assert first.status is RequestStatus.WAITING and first.num_computed == 0 and first.num_unresolved == 1
+    scheduler.finish(second.id, FinishReason.CANCELLED)  # room again
+    later = scheduler.plan()
+    assert not later.chunks  # the first is not recomputed before its sample is known
+    events = scheduler.commit(prefill, (21,))
+    assert [(e.request_id, e.token, e.finish_reason) for e in events] == [(first.id, 21, FinishReason.LENGTH)]
+    assert scheduler.commit(plan, (22,)) == []
+    assert first.tokens[8:] == [21] and scheduler.allocator.num_used == 0

@@ -12,8 +12,8 @@ _HELP = """Benchmark an artifact: throughput per step width (sweep) or latency u
 
 --mode sweep: for each T in --tokens the runner's token budget is T and every steady step is exactly T tokens wide: T decoding requests when T fits a static forward size, else --decode-cap decodes plus a backlog of prompts of --prefill-chunk tokens. Each row is the median over --iters steady steps after --warmup:
 
-- exec ms: time of executor.step (the compiled calls, ending with the sampled tokens on the host)
-- step ms: start-to-start interval of consecutive steps (adds the runner's own per-step work)
+- exec ms: the step's own time on the device (CUDA events around its queued work; on the CPU, the time of the launch, which runs it)
+- step ms: launch-to-launch interval of consecutive steps (the runner keeps one step in flight: its own per-step work shows only where it outlasts a device step)
 - tok/s = T / step interval
 - limit = max(bytes / measured memory bandwidth, FLOPs / measured matmul throughput); bytes = weights + KV cells (each sequence's context read once, new cells written); FLOPs = 2 x matmul params x T + attention
 - % of limit = limit / step interval. Rows whose steps were not T wide are flagged, not hidden.
@@ -42,9 +42,11 @@ def bench_command(
     prefill_chunk: Optional[int] = typer.Option(
         None, help="sweep: backlog prompt length in those rows (default: min(256, max_context - 1))."
     ),
-    prompt_tokens: Optional[int] = typer.Option(
-        None, help="Prompt length: sweep's decoding requests (default 8); requests mode (default 128)."
+    context: Optional[int] = typer.Option(
+        None, help="sweep: the context the decoding requests decode at, their prompt length (default 8); "
+        "e.g. 4096 measures long-context decode, the KV read counted in the limit."
     ),
+    prompt_tokens: Optional[int] = typer.Option(None, help="requests: prompt length (default 128)."),
     requests: int = typer.Option(32, help="requests: how many."),
     max_new_tokens: int = typer.Option(64, help="requests: output tokens per request."),
     stagger_ms: Optional[float] = typer.Option(None, help="requests: fixed gap between arrivals (default 0)."),
@@ -80,7 +82,7 @@ def locals_without(values: dict, *names: str) -> dict:
 
 
 def _run(
-    artifact, mode, tokens, warmup, iters, decode_cap, prefill_chunk, prompt_tokens, requests, max_new_tokens,
+    artifact, mode, tokens, warmup, iters, decode_cap, prefill_chunk, context, prompt_tokens, requests, max_new_tokens,
     stagger_ms, request_rate, seed, token_budget, url, model, device, num_cells, no_cuda_graphs, timeout,
     eager_peer, json_path, plot,
 ) -> None:
@@ -94,7 +96,7 @@ def _run(
 
     flags = {
         "artifact": artifact, "mode": mode, "tokens": tokens, "warmup": warmup, "iters": iters,
-        "decode_cap": decode_cap, "prefill_chunk": prefill_chunk, "prompt_tokens": prompt_tokens,
+        "decode_cap": decode_cap, "prefill_chunk": prefill_chunk, "context": context, "prompt_tokens": prompt_tokens,
         "requests": requests, "max_new_tokens": max_new_tokens, "stagger_ms": stagger_ms,
         "request_rate": request_rate, "seed": seed, "token_budget": token_budget, "url": url, "model": model,
         "device": device, "num_cells": num_cells, "no_cuda_graphs": no_cuda_graphs, "timeout": timeout, "eager_peer": eager_peer, "json": json_path,
@@ -104,8 +106,8 @@ def _run(
         raise Pt2ServeError(f"unknown --mode {mode!r}: choose {' or '.join(MODES)}")
     wrong_mode = {
         "sweep": {"--stagger-ms": stagger_ms, "--request-rate": request_rate, "--url": url, "--model": model,
-                  "--token-budget": token_budget},
-        "requests": {"--tokens": tokens, "--prefill-chunk": prefill_chunk},
+                  "--token-budget": token_budget, "--prompt-tokens": prompt_tokens},
+        "requests": {"--tokens": tokens, "--prefill-chunk": prefill_chunk, "--context": context},
     }[mode]
     given = [name for name, value in wrong_mode.items() if value is not None]
     if given:
@@ -134,7 +136,7 @@ def _run(
         options = SweepOptions(
             tokens=parse_tokens(tokens) if tokens is not None else None, warmup=warmup, iters=iters,
             decode_cap=decode_cap, prefill_chunk=prefill_chunk,
-            prompt_tokens=prompt_tokens if prompt_tokens is not None else SweepOptions.prompt_tokens,
+            prompt_tokens=context if context is not None else SweepOptions.prompt_tokens,
             seed=seed, row_timeout=timeout, eager_peer=eager_peer,
         )
         with StatusLine() as status:

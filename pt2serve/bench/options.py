@@ -25,7 +25,7 @@ class SweepOptions:
     iters: int = 10  # steady steps measured (the median is reported)
     decode_cap: int = 32  # decoding sequences in rows wider than the widest static forward size
     prefill_chunk: int | None = None  # backlog prompt length in wide rows; None: min(256, max_context - 1)
-    prompt_tokens: int = 8  # prompt length of the decoding requests
+    prompt_tokens: int = 8  # prompt length of the decoding requests: the context decode rows run at (--context)
     seed: int = 0
     row_timeout: float = 600.0  # seconds one row may take before it is stopped and flagged
     eager_peer: bool = True  # also time each row's middle step through the uncompiled model
@@ -43,7 +43,7 @@ class SweepOptions:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise Pt2ServeError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         if self.prompt_tokens < 1:
-            raise Pt2ServeError(f"--prompt-tokens must be at least 1, got {self.prompt_tokens}")
+            raise Pt2ServeError(f"--context must be at least 1, got {self.prompt_tokens}")
         if self.row_timeout <= 0:
             raise Pt2ServeError(f"--timeout must be positive, got {self.row_timeout}")
 

@@ -1,8 +1,9 @@
 """--mode sweep: throughput at each step width T, measured where requests really enter, the runner.
 
 For each T the runner gets token_budget = T and a workload that makes every steady step exactly T wide:
-  - T <= the widest static forward size ("decode" rows): T requests with short prompts, decoding together
-    once their prefill is done (ignore_eos, max_new_tokens as large as the pool allows);
+  - T <= the widest static forward size ("decode" rows): T requests with prompts of `context` tokens
+    (short by default; long ones measure long-context decode), decoding together once their prefill is done
+    (ignore_eos, max_new_tokens as large as the pool allows);
   - wider ("mixed" rows): `decode_cap` decoding requests plus a backlog of prompts (`prefill_chunk`
     tokens each, one output token) kept topped up, filling the rest of every step.
 Each row's runner cuts prefill at any size (min_prefill_chunk = 1) so the backlog fills steps exactly.
@@ -10,10 +11,11 @@ The artifact loads once and one Executor (its KV pool and graphs) serves every r
 Runner, and every request of a row is finished and the pool empty before the next row starts.
 
 Per row, over `iters` steady steps after `warmup` (steady: all of the row's decoders decoding):
-  executor time  = the median time of executor.step (the compiled calls, ending with the sampled tokens
-                   on the host);
-  step interval  = the median time from one step's start to the next one's (adds the runner's own work:
-                   scheduling, packing, detokenizing, events);
+  executor time  = the median of each step's own time on the device (CUDA events around its queued work;
+                   on the CPU, where launch runs the step, the launch's time);
+  step interval  = the median time from one step's launch to the next one's (the runner keeps one step in
+                   flight, so its own work, scheduling, packing, detokenizing and events, shows here only
+                   where it takes longer than a step on the device);
   tok/s          = T / step interval (the headline);
   limit          = the step's physical limit on this machine (see roofline.py); "% of limit" = limit /
                    step interval;
@@ -45,6 +47,7 @@ from pt2serve.runtime.runner import Runner, RunnerConfig, StepRecord, StreamEven
 from pt2serve.tokenizer import Tokenizer
 
 Progress = Callable[[str], None]
+PREFILL_BUDGET = 2048  # tokens per step while a decode row's prompts prefill
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,8 @@ def plan_row(tokens: int, options: SweepOptions, meta_raw: dict[str, Any], capac
     needed = options.warmup + options.iters + 2
     if prompt + needed > max_context:
         raise Pt2ServeError(
-            f"--prompt-tokens {prompt} + {needed} generated tokens (warmup + iters + 2) exceed the artifact's max "
-            f"context ({max_context}); lower --prompt-tokens, --warmup or --iters"
+            f"--context {prompt} + {needed} generated tokens (warmup + iters + 2) exceed the artifact's max "
+            f"context ({max_context}); lower --context, --warmup or --iters"
         )
     if tokens <= widest:
         kind, decoders, backlog_prompt, backlog = "decode", tokens, 0, 0
@@ -90,7 +93,7 @@ def plan_row(tokens: int, options: SweepOptions, meta_raw: dict[str, Any], capac
         raise Pt2ServeError(
             f"T={tokens}: the KV pool ({capacity} cells) cannot hold {decoders} decoding requests of "
             f"{prompt} + {needed} tokens" + (f" beside {backlog} backlog prompts of {backlog_prompt}" if backlog else "")
-            + "; lower --iters/--warmup/--prompt-tokens" + (", --decode-cap or --prefill-chunk" if backlog else "")
+            + "; lower --iters/--warmup/--context" + (", --decode-cap or --prefill-chunk" if backlog else "")
             + " or give a larger pool (--num-cells)"
         )
     return RowPlan(tokens, kind, decoders, prompt, max_new, backlog_prompt, backlog)
@@ -282,7 +285,10 @@ def _run_row(
     backlog_prompts = [rng.integers(0, vocab, plan.backlog_prompt_tokens).tolist()
                        for _ in range(8 if plan.backlog_requests else 0)]
     timed = TimedExecutor(executor)
-    config = RunnerConfig(token_budget=plan.tokens, max_decode_sequences=plan.num_decode, min_prefill_chunk=1,
+    # Decode rows prefill their prompts (long ones with --context) in wide steps; once only the decodes are
+    # left, every step is exactly T wide. Mixed rows keep the budget at T so the backlog fills each step to T.
+    budget = plan.tokens if plan.kind == "mixed" else max(plan.tokens, min(PREFILL_BUDGET, executor.max_step_tokens))
+    config = RunnerConfig(token_budget=budget, max_decode_sequences=plan.num_decode, min_prefill_chunk=1,
                           prefix_cache_entries=0)
     runner = Runner(timed, tokenizer, config)
     needed = options.warmup + options.iters + 1  # +1: the step after the last measured one ends its interval

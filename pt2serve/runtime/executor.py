@@ -1,8 +1,13 @@
 """The executor: runs steps of chunks on a loaded artifact and returns sampled token ids.
 
 It owns the device state (KV pools, captured graphs) and only reads the step it is given; which cells
-belong to whom is the caller's business (see cells.CellAllocator). Only token ids come back to the host:
-one synchronisation per method call that samples.
+belong to whom is the caller's business (see cells.CellAllocator). Only token ids come back to the host.
+
+`launch(chunks)` queues a step's device work and returns at once (no host synchronisation: inputs go up
+from pinned memory, sampled ids come down into pinned memory behind an event); `PendingStep.result()`
+waits for the ids. So a caller can plan and launch step n+1 while step n runs. A decode whose token is
+step n's sample for its sequence names that sample (Chunk.previous_sample) and the executor copies the
+id into step n+1's inputs on the device, in stream order.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import Artifact
 from pt2serve.runtime.cells import CellAllocator, allocate_kv_pools, cells_that_fit
 from pt2serve.runtime.graphs import capture_all
-from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, slice_step
+from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, regions, slice_step
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,37 @@ class CallRecord:
 class StepResult:
     tokens: tuple[int | None, ...]  # per chunk: the sampled next token, None where none was asked for
     calls: tuple[CallRecord, ...]
+    device_seconds: float | None = None  # the step's time on the GPU (CUDA events); None on the CPU
+
+
+class PendingStep:
+    """A launched step: its device work is queued; result() waits for the sampled ids (one host sync)."""
+
+    def __init__(self, num_chunks: int, calls: tuple[CallRecord, ...], sampled: list[int],
+                 ids: torch.Tensor | None, started: torch.cuda.Event | None) -> None:
+        self._num_chunks = num_chunks
+        self._calls = calls
+        self._sampled = sampled  # the chunk index of each row of ids
+        self._started = started
+        self._ended: torch.cuda.Event | None = None
+        self._host_ids = ids
+        if started is not None:  # CUDA: copy the ids down behind the queued work
+            if ids is not None:
+                self._host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                self._host_ids.copy_(ids, non_blocking=True)
+            self._ended = torch.cuda.Event(enable_timing=True)
+            self._ended.record()
+
+    def result(self) -> StepResult:
+        device_seconds = None
+        if self._ended is not None:
+            self._ended.synchronize()
+            device_seconds = self._started.elapsed_time(self._ended) / 1e3
+        tokens: list[int | None] = [None] * self._num_chunks
+        if self._host_ids is not None:
+            for index, token in zip(self._sampled, self._host_ids.tolist()):
+                tokens[index] = token
+        return StepResult(tuple(tokens), self._calls, device_seconds)
 
 
 @dataclass(frozen=True)
@@ -75,6 +111,8 @@ class Executor:
         )
         self.pools = [*k_pools, *v_pools]
         self.allocator = CellAllocator(num_cells)
+        self._previous_ids: torch.Tensor | None = None
+        self._previous_rows: dict[int, int] = {}
         free_before = _free_device_bytes(self.device)
         idle_steps = {}
         for width in self.forward_sizes:
@@ -122,40 +160,70 @@ class Executor:
         return planned
 
     def step(self, chunks: list[Chunk]) -> StepResult:
-        """Run one step; the chunks' cells must already be allocated (their K/V are written here)."""
-        tokens: list[int | None] = [None] * len(chunks)
-        calls = []
+        """Run one step and wait for it; the chunks' cells must already be allocated (K/V are written here)."""
+        return self.launch(chunks).result()
+
+    def launch(self, chunks: list[Chunk]) -> PendingStep:
+        """Queue one step's device work; returns before it runs (on the CPU, after it ran)."""
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        outputs, sampled, calls = [], [], []
         for piece, call in self.method_calls(chunks):
             logits = self._forward(call)
             if call.sampled_chunks:
                 by_index = dict(piece)
-                sampled = [by_index[i] for i in call.sampled_chunks]
-                ids = self._sample(logits[: len(sampled)], sampled)
-                for index, token in zip(call.sampled_chunks, ids):
-                    tokens[index] = token
+                rows = [by_index[i] for i in call.sampled_chunks]
+                outputs.append(self._sample(logits[: len(rows)], rows))
+                sampled.extend(call.sampled_chunks)
             calls.append(CallRecord(call.method, call.num_tokens))
-        return StepResult(tuple(tokens), tuple(calls))
+        ids = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)) if outputs else None
+        # What a placeholder in the next step reads: this step's ids, by chunk index.
+        self._previous_ids = ids
+        self._previous_rows = {chunk: row for row, chunk in enumerate(sampled)}
+        return PendingStep(len(chunks), tuple(calls), sampled, ids, started)
 
     def _forward(self, call: MethodCall) -> torch.Tensor:
         if call.width is not None:
-            return self._static[call.method].forward(call.host)
-        return self.artifact.run(call.method, [*call.device_inputs(self.device), *self.pools])[0]
+            captured = self._static[call.method]
+            captured.load(call.host)
+            self._fill_placeholders(call, captured.inputs[0])
+            return captured.run()
+        inputs = regions(self._to_device(call.host), call.sizes)
+        self._fill_placeholders(call, inputs[0])
+        return self.artifact.run(call.method, [*inputs, *self.pools])[0]
 
-    def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> list[int]:
+    def _fill_placeholders(self, call: MethodCall, tokens: torch.Tensor) -> None:
+        """Copy the previous step's sampled ids into this call's token rows that wait for them."""
+        if not call.placeholders:
+            return
+        rows = [row for row, _ in call.placeholders]
+        sources = [self._previous_rows[chunk] for _, chunk in call.placeholders]
+        index = self._to_device(np.array([rows, sources], dtype=np.int64))
+        tokens.index_copy_(0, index[0], self._previous_ids.index_select(0, index[1]))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device without waiting: through pinned memory, on the current stream."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
+        """Sampled ids [rows], on the device."""
         # A compiled method reads its inputs with the strides it was traced with (contiguous), but a
         # forward's logits may come back with padded rows (seen on the GPU: 258 -> 260 floats in fp32).
         logits = logits.contiguous()
         params = [c.sampling for c in chunks]
         if all(p.is_greedy for p in params):
-            ids = self.artifact.run(SAMPLE_ARGMAX, [logits])[0]
-        else:
-            device = self.device
-            temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device)
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64).to(device)
-            uniform = torch.tensor([c.uniform for c in chunks], dtype=torch.float32).to(device)
-            ids = self.artifact.run(SAMPLE, [logits, temperature, top_p, top_k, uniform])[0]
-        return ids.tolist()
+            return self.artifact.run(SAMPLE_ARGMAX, [logits])[0]
+        floats = self._to_device(np.array(
+            [[p.temperature for p in params], [p.top_p for p in params], [c.uniform for c in chunks]],
+            dtype=np.float32,
+        ))
+        top_k = self._to_device(np.array([p.top_k for p in params], dtype=np.int64))
+        return self.artifact.run(SAMPLE, [logits, floats[0], floats[1], top_k, floats[2]])[0]
 
 
 def _free_device_bytes(device: torch.device) -> int:

@@ -76,8 +76,16 @@ class CapturedForward:
         with torch.cuda.graph(self.graph):
             self.logits = self._call()
 
-    def forward(self, host: np.ndarray) -> torch.Tensor:
+    @property
+    def inputs(self) -> list[torch.Tensor]:
+        """The fixed-address input regions (tokens first), for changes on the device between load and run."""
+        return self.buffers.inputs
+
+    def load(self, host: np.ndarray) -> None:
         self.buffers.load(host)
+
+    def run(self) -> torch.Tensor:
+        """The logits of the loaded step (a fixed buffer under a graph: valid until the next run)."""
         if self.graph is None:
             return self._call()
         self.graph.replay()

@@ -2,10 +2,14 @@
 
 Only the scheduler changes `status`; the request owns its tokens and counters.
 
-    tokens:  [ p0 p1 ... p(n-1) | g0 g1 ... ]     prompt, then generated tokens
-    cells:   [ c0 c1 ... ]                         one per computed token, in position order
-    num_computed <= len(tokens): tokens whose K/V are in cells. The newest sampled token is never
-    computed yet; it is fed in the next step (a decode).
+    tokens:  [ p0 p1 ... p(n-1) | g0 g1 ... ]  ? ?   prompt, then generated tokens known on the host,
+                                                       then num_unresolved samples still in flight (?)
+    cells:   [ c0 c1 ... ]                             one per scheduled token, in position order
+    num_computed <= len(tokens) + num_unresolved: tokens scheduled into cells (their K/V written by a
+    step that ran or is queued). The newest token (known or in flight) is fed in a later step (a decode).
+
+One step may be in flight while the next is planned, so a decode can be scheduled before the token it
+feeds is known: its sample is counted in num_unresolved until the step's ids come back (commit).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class Request:
     random: RequestRandom
     cells: CellTable = field(default_factory=CellTable)
     num_computed: int = 0
+    num_unresolved: int = 0  # samples scheduled whose tokens have not come back yet
     status: RequestStatus = RequestStatus.WAITING
     last_prefill_step: int = -1  # the step that last gave it a prefill chunk (-1: never)
     finish_reason: FinishReason | None = None
@@ -72,11 +77,21 @@ class Request:
         return len(self.spec.prompt_ids)
 
     @property
+    def length(self) -> int:
+        """Tokens known or in flight."""
+        return len(self.tokens) + self.num_unresolved
+
+    @property
     def num_pending(self) -> int:
-        """Known tokens not yet computed."""
-        return len(self.tokens) - self.num_computed
+        """Tokens (known or in flight) not yet scheduled."""
+        return self.length - self.num_computed
 
     @property
     def is_decoding(self) -> bool:
         """Only the newest (sampled) token is pending."""
         return self.num_computed >= self.num_prompt and self.num_pending == 1
+
+    @property
+    def num_sampled(self) -> int:
+        """Completion tokens scheduled so far, known or in flight."""
+        return self.stats.completion_tokens + self.num_unresolved

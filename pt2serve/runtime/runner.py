@@ -3,6 +3,11 @@
 Callers on any thread `submit()` requests and read events from the returned handle (or get them through
 a callback, e.g. into an asyncio loop). Everything that touches the scheduler, cells or device runs on
 the engine thread; other threads only enqueue commands.
+
+One step stays in flight: the engine plans and launches step n+1, then waits for step n's ids and commits
+them (detokenizes, checks stop strings, delivers events) while step n+1 runs on the device. The device
+never waits for the host's per-step work; sampled ids are read one step late, so a request that stops at
+step n still had a decode queued in step n+1, whose result is dropped.
 """
 
 from __future__ import annotations
@@ -16,20 +21,25 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pt2serve.errors import Pt2ServeError
-from pt2serve.runtime.executor import CallRecord, Executor
+from pt2serve.runtime.executor import CallRecord, Executor, PendingStep
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec, RequestStats
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
-from pt2serve.runtime.scheduler import Scheduler, SchedulerConfig
+from pt2serve.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
 from pt2serve.runtime.stop import StopStringMatcher
 from pt2serve.tokenizer import IncrementalDecoder, Tokenizer
 
 STEP_HISTORY = 100_000  # step records kept for inspection (tests, benchmarks)
 
 
+DEFAULT_TOKEN_BUDGET = 2048
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
-    token_budget: int | None = None  # tokens per step; None: the widest static forward size
-    max_decode_sequences: int | None = None  # None: the token budget
+    # Tokens per step. None: DEFAULT_TOKEN_BUDGET (or the artifact's max step tokens if fewer), so prompts
+    # prefill in wide chunks on forward_others while every running decode still gets its token each step.
+    token_budget: int | None = None
+    max_decode_sequences: int | None = None  # decodes per step; None: the token budget (every running decode)
     min_prefill_chunk: int | None = None  # None: the artifact's
     prefix_cache_entries: int = 0
     max_sessions: int = 64
@@ -58,7 +68,15 @@ class StepRecord:
     num_tokens: int
     num_decode: int
     calls: tuple[CallRecord, ...]
-    seconds: float
+    seconds: float  # from launch to its ids on the host (with a step in flight, includes waiting for it)
+    device_seconds: float | None  # its own time on the GPU (None on the CPU)
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    plan: StepPlan
+    pending: PendingStep
+    launched: float  # perf_counter at launch
 
 
 @dataclass
@@ -130,7 +148,7 @@ class _Live:
 class Runner:
     def __init__(self, executor: Executor, tokenizer: Tokenizer | None = None, config: RunnerConfig = RunnerConfig()):
         meta = executor.artifact.metadata
-        budget = config.token_budget or max(meta.forward_sizes)
+        budget = config.token_budget or min(DEFAULT_TOKEN_BUDGET, meta.max_step_tokens)
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_context = meta.max_context
@@ -234,17 +252,25 @@ class Runner:
     # -- engine thread ---------------------------------------------------------------------------------
 
     def _engine_loop(self) -> None:
+        in_flight: _InFlight | None = None
         while True:
             self._drain_inbox()
             self._update_stats()
             if self._stopping:
+                if in_flight is not None:
+                    self._complete(in_flight)
                 self._shutdown()
                 return
-            if not self.scheduler.has_work():
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
-                continue
-            self._run_step()
+            launched = self._launch_next() if self.scheduler.has_work() else None
+            if in_flight is not None:
+                self._complete(in_flight)  # while `launched` runs on the device
+            elif launched is None:
+                if self.scheduler.has_work():
+                    time.sleep(0.001)  # nothing fits now (pool full of in-flight work); let commands arrive
+                else:
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+            in_flight = launched
 
     def _drain_inbox(self) -> None:
         while True:
@@ -265,23 +291,38 @@ class Runner:
         self._live[handle.id] = _Live(handle, decoder, StopStringMatcher(spec.stop_strings))
         self.scheduler.add(request)
 
-    def _run_step(self) -> None:
+    def _launch_next(self) -> _InFlight | None:
+        """Plan the next step and queue it on the device; None when nothing could be scheduled."""
         plan = self.scheduler.plan()
         if not plan.chunks:
-            time.sleep(0.001)  # nothing fits now (pool full of in-flight work); let commands arrive
-            return
+            return None
         started = time.perf_counter()
         try:
-            result = self.executor.step(self.scheduler.executor_chunks(plan))
+            pending = self.executor.launch(self.scheduler.executor_chunks(plan))
         except Exception as err:  # a failing step fails its requests, not the engine
-            message = f"{type(err).__name__}: {err}"
-            for request_id in self.scheduler.fail(plan, message):
-                self._emit_final(request_id, FinishReason.ERROR, message)
+            self._fail(plan, err)
+            return None
+        return _InFlight(plan, pending, started)
+
+    def _complete(self, step: _InFlight) -> None:
+        """Wait for a launched step's ids, record it and commit them."""
+        try:
+            result = step.pending.result()
+        except Exception as err:
+            self._fail(step.plan, err)
             return
-        seconds = time.perf_counter() - started
-        self.step_history.append(StepRecord(plan.step, plan.num_tokens, plan.num_decode, result.calls, seconds))
+        seconds = time.perf_counter() - step.launched
+        plan = step.plan
+        self.step_history.append(
+            StepRecord(plan.step, plan.num_tokens, plan.num_decode, result.calls, seconds, result.device_seconds)
+        )
         for event in self.scheduler.commit(plan, result.tokens):
             self._on_token(event.request_id, event.token, event.finish_reason)
+
+    def _fail(self, plan: StepPlan, err: Exception) -> None:
+        message = f"{type(err).__name__}: {err}"
+        for request_id in self.scheduler.fail(plan, message):
+            self._emit_final(request_id, FinishReason.ERROR, message)
 
     def _on_token(self, request_id: int, token: int, finish_reason: FinishReason | None) -> None:
         live = self._live[request_id]

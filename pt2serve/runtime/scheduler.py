@@ -8,7 +8,10 @@ One rule drives it: each request's computed tokens catch up with its known token
 Cells are allocated as tokens are scheduled; when the pool runs dry the prefix cache and idle sessions
 give theirs back first, then the most recently admitted request is preempted (recomputed later).
 
-`plan()` returns a StepPlan of plain data; `commit(plan, tokens)` applies the executor's output.
+`plan()` returns a StepPlan of plain data; `commit(plan, tokens)` applies the executor's output. A plan
+may be made while the previous one still runs (one step in flight): scheduling advances num_computed at
+once, a sampling chunk counts an unresolved sample, and a decode whose token is that in-flight sample names
+the chunk of the previous plan that samples it (ScheduledChunk.previous_sample). Commits come in plan order.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pt2serve.runtime.prefix_cache import PrefixCache
 from pt2serve.runtime.request import FinishReason, Request, RequestStatus
 from pt2serve.runtime.sessions import Session, SessionStore
 from pt2serve.runtime.step import Chunk
+
+PLACEHOLDER_TOKEN = 0  # the host's stand-in for a token still on the device (any valid id)
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool  # the chunk reaches the request's newest token: its next token is sampled
     uniform: float  # the request's draw for that sample
+    previous_sample: int | None = None  # a decode of an in-flight sample: that chunk's index in the last plan
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class Scheduler:
         self._waiting: deque[int] = deque()  # FIFO of requests holding no cells
         self._running: list[int] = []  # admission order (last = first preempted)
         self._decode_turn = 0
+        self._sampling_index: dict[int, int] = {}  # request id -> its sampling chunk's index in the last plan
         self.step = 0
 
     # -- queue ---------------------------------------------------------------------------------------
@@ -109,12 +116,19 @@ class Scheduler:
         num_decode = len(scheduled)
         self._schedule_prefills(scheduled, self.config.token_budget - num_decode)
         plan = StepPlan(self.step, tuple(scheduled.values()), num_decode)
+        self._sampling_index = {c.request_id: i for i, c in enumerate(plan.chunks) if c.samples}
         assert plan.num_tokens <= self.config.token_budget
         assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
         return plan
 
+    def _can_decode(self, request: Request) -> bool:
+        """Its pending token is known or is sampled by the last plan, and another sample stays in its limits."""
+        is_fed = request.num_computed < len(request.tokens) or request.id in self._sampling_index
+        within_limits = request.num_sampled < request.spec.max_new_tokens and request.length < self.config.max_context
+        return request.is_decoding and is_fed and within_limits
+
     def _schedule_decodes(self, scheduled: dict[int, ScheduledChunk], cap: int) -> None:
-        decoding = [r for r in self._running if self.requests[r].is_decoding]
+        decoding = [r for r in self._running if self._can_decode(self.requests[r])]
         if not decoding:
             return
         self._decode_turn %= len(decoding)
@@ -135,8 +149,8 @@ class Scheduler:
             if budget <= 0:
                 break
             request = self.requests.get(request_id)
-            if request is None or request_id in scheduled:
-                continue
+            if request is None or request_id in scheduled or request.num_unresolved:
+                continue  # (a preempted request waits for its in-flight sample before it is recomputed)
             if request.status is RequestStatus.WAITING:
                 self._admit(request)
             count = min(request.num_pending, budget)
@@ -151,12 +165,20 @@ class Scheduler:
             budget -= count
 
     def _chunk(self, request: Request, count: int) -> ScheduledChunk:
-        samples = request.num_computed + count == len(request.tokens)
+        """Schedule the request's next `count` tokens (cells already allocated)."""
+        start = request.num_computed
+        # The next token is the in-flight sample when every known token is already scheduled.
+        previous = self._sampling_index[request.id] if start == len(request.tokens) else None
+        request.num_computed += count
+        request.stats.prefilled_tokens += max(0, min(request.num_prompt, request.num_computed) - start)
+        samples = request.num_computed == request.length
+        if samples:
+            request.num_unresolved += 1
         draw = samples and not request.spec.sampling.is_greedy
         uniform = request.random.next_uniform() if draw else 0.0
         if request.stats.first_scheduled_step is None:
             request.stats.first_scheduled_step = self.step
-        return ScheduledChunk(request.id, request.num_computed, count, samples, uniform)
+        return ScheduledChunk(request.id, start, count, samples, uniform, previous)
 
     def _admit(self, request: Request) -> None:
         """WAITING -> RUNNING, reusing a session's or the prefix cache's cells where the prompt allows."""
@@ -221,9 +243,12 @@ class Scheduler:
         chunks = []
         for c in plan.chunks:
             request = self.requests[c.request_id]
-            tokens = tuple(request.tokens[c.start:c.start + c.num_tokens])
+            if c.previous_sample is None:
+                tokens = tuple(request.tokens[c.start:c.start + c.num_tokens])
+            else:
+                tokens = (PLACEHOLDER_TOKEN,)  # the executor puts the sampled id there on the device
             sampling = request.spec.sampling if c.samples else None
-            chunks.append(Chunk(request.cells.cells, tokens, c.start, sampling, c.uniform))
+            chunks.append(Chunk(request.cells.cells, tokens, c.start, sampling, c.uniform, c.previous_sample))
         return chunks
 
     def commit(self, plan: StepPlan, tokens: tuple[int | None, ...]) -> list[TokenEvent]:
@@ -231,13 +256,10 @@ class Scheduler:
         events = []
         for chunk, token in zip(plan.chunks, tokens):
             request = self.requests.get(chunk.request_id)
-            if request is None:
-                continue
-            prompt_part = max(0, min(request.num_prompt, chunk.start + chunk.num_tokens) - chunk.start)
-            request.stats.prefilled_tokens += prompt_part
-            request.num_computed += chunk.num_tokens
-            if token is None:
-                continue
+            if request is None or token is None:
+                continue  # finished since (its later work, if any, is simply dropped) or nothing sampled
+            assert request.num_unresolved > 0, "a sample came back that was not scheduled"
+            request.num_unresolved -= 1
             request.tokens.append(token)
             request.stats.completion_tokens += 1
             reason = self._finish_reason(request, token)
@@ -279,11 +301,16 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         cells = request.cells.truncate(0)
-        computed = request.tokens[: len(cells)]
         is_clean = reason in (FinishReason.STOP, FinishReason.LENGTH)
-        if is_clean and len(cells):
-            self.prefix_cache.insert(computed[: request.num_prompt], cells)
-        if is_clean and request.spec.session_id is not None and len(cells):
+        if not is_clean or not len(cells):
+            self.allocator.free(cells)
+            return request
+        # A clean finish comes from a commit, which knows every token that has a cell. The newest cell's K/V
+        # may still be written by the step in flight: stream order puts that write before any later reader.
+        assert len(cells) <= len(request.tokens)
+        computed = request.tokens[: len(cells)]
+        self.prefix_cache.insert(computed[: request.num_prompt], cells)
+        if request.spec.session_id is not None:
             self.sessions.put(request.spec.session_id, Session(computed, cells))
         else:
             self.allocator.free(cells)

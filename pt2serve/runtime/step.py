@@ -44,13 +44,19 @@ def regions(packed, sizes: tuple[int, ...]) -> list:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens start..start+len(tokens)-1 of one sequence; `sampling` set when its next token is wanted."""
+    """Tokens start..start+len(tokens)-1 of one sequence; `sampling` set when its next token is wanted.
+
+    A decode whose token is the one sampled for this sequence by the step still in flight does not know it on
+    the host: `previous_sample` is the index of that sampling chunk in the previous step's chunk list, its one
+    token is a placeholder, and the executor copies the sampled id into place on the device.
+    """
 
     cells: np.ndarray  # the sequence's cells for positions 0 .. start + len(tokens) - 1
     tokens: tuple[int, ...]
     start: int
     sampling: SamplingParams | None = None
     uniform: float = 0.0
+    previous_sample: int | None = None
 
     @property
     def end(self) -> int:
@@ -67,6 +73,8 @@ class MethodCall:
     sizes: tuple[int, ...]  # length of each input region, in FORWARD_INPUTS order
     sampled_chunks: tuple[int, ...]  # index (in the step's chunk list) of each output row, in row order
     num_tokens: int  # real tokens, without padding
+    # (token row, index of the previous step's chunk whose sampled id goes there), for placeholder tokens
+    placeholders: tuple[tuple[int, int], ...] = ()
 
     def device_inputs(self, device: torch.device | str) -> list[torch.Tensor]:
         """The input regions on `device`, from one copy of the packed array."""
@@ -92,7 +100,7 @@ def slice_step(chunks: list[Chunk], max_tokens: int) -> list[list[tuple[int, Chu
             is_last = take == len(tokens)
             end = start + take
             part = Chunk(chunk.cells[:end], tokens[:take], start,
-                         chunk.sampling if is_last else None, chunk.uniform)
+                         chunk.sampling if is_last else None, chunk.uniform, chunk.previous_sample)
             pieces[-1].append((index, part))
             tokens, start, room = tokens[take:], end, room - take
     return [piece for piece in pieces if piece]
@@ -157,6 +165,10 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_
     seq_cells[entry_end:] = SCRATCH_CELL
     logit_rows[: len(sampled)] = row_ends[sampled]
     logit_rows[len(sampled):] = num_tokens - 1  # extra rows: any valid token; their logits are ignored
+    # A placeholder chunk is one token (a decode), so its row is its chunk's last row; its token stays 0 here.
+    placeholders = tuple(
+        (int(row_ends[i]), c.previous_sample) for i, c in enumerate(chunks) if c.previous_sample is not None
+    )
     return MethodCall(
         method=method,
         width=width,
@@ -164,4 +176,5 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_
         sizes=sizes,
         sampled_chunks=tuple(piece[i][0] for i in sampled),
         num_tokens=num_real,
+        placeholders=placeholders,
     )

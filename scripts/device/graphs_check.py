@@ -92,9 +92,10 @@ def diagnose(executor: Executor, chunks: list[Chunk], expected: list, before: li
             print(f"    {name}: {region.tolist()}")
         if call.width is not None:
             static = executor._static[method]
-            logits = static.forward(call.host)[: len(call.sampled_chunks)]
+            static.load(call.host)
+            logits = static.run()[: len(call.sampled_chunks)]
             staged = torch.equal(static.buffers.device_buffer.cpu(), torch.from_numpy(call.host))
-            sampled = executor._sample(logits, [dict(piece)[i] for i in call.sampled_chunks])
+            sampled = executor._sample(logits, [dict(piece)[i] for i in call.sampled_chunks]).tolist()
             print(f"    static path: buffer == host {staged}, host argmax {logits.argmax(-1).tolist()}, "
                   f"device sampler {sampled}, logits stride {logits.stride()}, NaN {bool(logits.isnan().any())}")
             restore()
