@@ -5,9 +5,6 @@ latency targets, the steps an in-process run took; in process and against a serv
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import pytest
 from rich.console import Console
@@ -19,8 +16,6 @@ from pt2serve.bench.report import rates_table
 from pt2serve.bench.requests_mode import RequestsResult, RequestTiming, arrival_times, summarise
 from pt2serve.cli import app
 from pt2serve.errors import Pt2ServeError
-from pt2serve.runtime.engine import open_runner
-from pt2serve.runtime.runner import RunnerConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -60,7 +55,8 @@ def test_rates_table_rows():
     runs = []
     for rate, steps in ((2.0, 40), (8.0, 25)):
         options = RequestsOptions(requests=6, request_rate=rate, targets=targets)
-        run = RequestsResult("in-process", options, hand_timings(), "cpu", num_steps=steps, mean_step_width=12.5)
+        run = RequestsResult("in-process", options, hand_timings(), "cpu", num_steps=steps, mean_step_width=12.5,
+                             step_budget={"token_budget": 48, "max_decode_sequences": 48, "min_prefill_chunk": 8})
         run.summary = summarise(run.requests, targets)
         runs.append(run)
     console = Console(width=250, record=True)
@@ -76,7 +72,8 @@ def test_rates_table_rows():
     assert first["output tok/s"] == "80"  # 11 + 11 + 11 + 1 + 46 tokens of the completed requests in 1.0 s
     assert first["TTFT ms"].startswith("50 / ")  # completed TTFTs 50, 50, 50, 80, 200 ms: the median is 50
     assert (first["steps"], first["mean width"]) == ("40", "12.5")
-    assert "within TTFT 100 ms and TPOT 15 ms" in " ".join(text.split())
+    caption = " ".join(text.split())
+    assert "within TTFT 100 ms and TPOT 15 ms" in caption and "token budget 48" in caption
 
 
 def test_rate_sweep_in_process(tiny_artifact, tmp_path):
@@ -103,30 +100,9 @@ def test_rate_sweep_in_process(tiny_artifact, tmp_path):
     assert out_png.read_bytes()[:8] == PNG_MAGIC
 
 
-def test_rate_sweep_against_a_server(tiny_artifact):
-    uvicorn = pytest.importorskip("uvicorn")
-    from pt2serve.serve.app import create_app
-    from pt2serve.serve.config import ServerConfig
-
-    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(prefix_cache_entries=0))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(ServerConfig(model_name="tiny"), runner), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline
-            time.sleep(0.02)
-        options = RequestsOptions(requests=4, prompt_tokens=10, max_new_tokens=5,
-                                  url=f"http://127.0.0.1:{sock.getsockname()[1]}", seed=1)
-        result = run_request_rates(tiny_artifact, options, (40.0, 300.0))
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
-        runner.close()
+def test_rate_sweep_against_a_server(tiny_artifact, tiny_server):
+    options = RequestsOptions(requests=4, prompt_tokens=10, max_new_tokens=5, url=tiny_server, seed=1)
+    result = run_request_rates(tiny_artifact, options, (40.0, 300.0))
     assert [run.options.request_rate for run in result.runs] == [40.0, 300.0]
     for run in result.runs:
         assert run.target == options.url and run.num_steps is None

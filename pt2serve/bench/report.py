@@ -76,8 +76,10 @@ def rates_table(result: RateSweepResult, title: str | None = None) -> Table:
     caption = (f"each rate: {o.requests} requests of {o.prompt_tokens} prompt + {o.max_new_tokens} new tokens, "
                f"Poisson arrivals ({result.target}); goodput: requests within TTFT {o.targets.ttft_ms:g} ms and "
                f"TPOT {o.targets.tpot_ms:g} ms, per second; latencies in ms as p50 / p90 / p99")
-    table = Table(title=title or "pt2serve bench: request rates", caption=caption)
     in_process = result.runs[0].num_steps is not None
+    if in_process:
+        caption += f"; token budget {result.runs[0].step_budget['token_budget']}"
+    table = Table(title=title or "pt2serve bench: request rates", caption=caption)
     columns = ["offered req/s", "req/s", "goodput req/s", "good", "output tok/s", "TTFT ms", "TPOT ms", "E2E ms"]
     for name in columns + (["steps", "mean width"] if in_process else []):
         table.add_column(name, justify="right")
@@ -105,7 +107,9 @@ def _goodput(s: dict[str, Any]) -> str:
 def _steps(result: RequestsResult) -> str:
     if result.num_steps is None:
         return ""
-    return f"; {result.num_steps} steps, mean width {_num(result.mean_step_width)} tokens"
+    budget = result.step_budget or {}
+    return (f"; {result.num_steps} steps, mean width {_num(result.mean_step_width)} tokens (token budget "
+            f"{budget.get('token_budget', '-')}, up to {budget.get('max_decode_sequences', '-')} decodes)")
 
 
 def sweep_document(result: SweepResult, artifact: str | None, raw: dict[str, Any] | None,
