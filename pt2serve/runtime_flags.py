@@ -43,6 +43,13 @@ def num_cells_option() -> Any:
     )
 
 
+def kv_memory_fraction_option() -> Any:
+    return typer.Option(
+        None, help="GPU: the share of the memory left free after the weights load that the KV pool may fill, when "
+        "--num-cells is not given (default: the executor's share; the load line says what the pool got)."
+    )
+
+
 def step_budget(token_budget: int | None, max_decode_sequences: int | None,
                 min_prefill_chunk: int | None) -> dict[str, int]:
     """The RunnerConfig fields the flags set (the ones given), each checked."""
@@ -54,7 +61,7 @@ def step_budget(token_budget: int | None, max_decode_sequences: int | None,
     return {name: value for name, value in given.items() if value is not None}
 
 
-def kv_pool(num_cells: int | None, kv_memory_fraction: float | None = None) -> dict[str, Any]:
+def kv_pool(num_cells: int | None, kv_memory_fraction: float | None) -> dict[str, Any]:
     """The ExecutorConfig fields the flags set (the ones given); ExecutorConfig checks the fraction."""
     if num_cells is not None and num_cells < 2:
         raise Pt2ServeError(f"--num-cells must be at least 2 (a cell for a token and the scratch cell), got {num_cells}")

@@ -129,6 +129,7 @@ def test_parse_rates():
         (["--tpot-target-ms", "-5"], "--tpot-target-ms must be a positive number"),
         (["--url", "http://127.0.0.1:9", "--token-budget", "8"], "only apply to in-process runs"),
         (["--url", "http://127.0.0.1:9", "--num-cells", "64"], "only apply to in-process runs"),
+        (["--url", "http://127.0.0.1:9", "--kv-memory-fraction", "0.5"], "only apply to in-process runs"),
     ],
 )
 def test_bad_rate_flags_are_clear_errors(tiny_artifact, args, message):

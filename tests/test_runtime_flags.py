@@ -91,6 +91,15 @@ def test_bench_flags_reach_the_scheduler_and_the_pool(tiny_artifact, tmp_path):
     assert doc["num_steps"] > 0 and doc["mean_step_width"] <= 40
 
 
+def test_bench_flags_reach_the_configs(tiny_artifact, captured_configs):
+    result = CliRunner().invoke(app, ["bench", str(tiny_artifact), "--mode", "requests", *BUDGET_FLAGS,
+                                      "--num-cells", "900", "--kv-memory-fraction", "0.3"])
+    assert "stopped by the test" in result.output, result.output
+    runner, executor = captured_configs["runner"], captured_configs["executor"]
+    assert (runner.token_budget, runner.max_decode_sequences, runner.min_prefill_chunk) == (40, 3, 5)
+    assert (executor.num_cells, executor.kv_memory_fraction) == (900, 0.3)
+
+
 def test_bench_defaults_are_the_runners(tiny_artifact, tmp_path):
     doc = bench(tiny_artifact, tmp_path)
     runner = open_runner(tiny_artifact, device="cpu")  # RunnerConfig() and ExecutorConfig() as they are
@@ -104,10 +113,17 @@ def test_bench_defaults_are_the_runners(tiny_artifact, tmp_path):
         runner.close()
 
 
-def test_bench_bad_budget_is_a_clear_error(tiny_artifact):
-    result = CliRunner().invoke(app, ["bench", str(tiny_artifact), "--mode", "requests", "--token-budget", "0"])
-    assert result.exit_code != 0 and "--token-budget must be at least 1, got 0" in result.output
-    assert "Traceback" not in result.output
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--token-budget", "0"], "--token-budget must be at least 1, got 0"),
+        (["--kv-memory-fraction", "2"], "kv_memory_fraction must be in (0, 0.95]"),
+    ],
+)
+def test_bench_bad_values_are_clear_errors(tiny_artifact, captured_configs, args, message):
+    result = CliRunner().invoke(app, ["bench", str(tiny_artifact), "--mode", "requests", *args])
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "Traceback" not in result.output and not captured_configs
 
 
 def test_load_line_states_the_step_budget(tiny_artifact):

@@ -10,6 +10,7 @@ import typer
 
 from pt2serve.bench.options import DEFAULT_TPOT_TARGET_MS, DEFAULT_TTFT_TARGET_MS
 from pt2serve.runtime_flags import (
+    kv_memory_fraction_option,
     kv_pool,
     max_decode_sequences_option,
     min_prefill_chunk_option,
@@ -78,6 +79,7 @@ def bench_command(
     model: Optional[str] = typer.Option(None, help="requests with --url: model name (default: the server's first)."),
     device: Optional[str] = typer.Option(None, help="Load onto this device (default: what the artifact was built for)."),
     num_cells: Optional[int] = num_cells_option(),
+    kv_memory_fraction: Optional[float] = kv_memory_fraction_option(),
     no_cuda_graphs: bool = typer.Option(
         False, "--no-cuda-graphs", help="In-process runs without CUDA graphs (then every step runs forward_others)."
     ),
@@ -105,8 +107,8 @@ def locals_without(values: dict, *names: str) -> dict:
 def _run(
     artifact, mode, tokens, warmup, iters, decode_cap, prefill_chunk, prompt_tokens, requests, max_new_tokens,
     stagger_ms, request_rate, request_rates, ttft_target_ms, tpot_target_ms, seed, token_budget,
-    max_decode_sequences, min_prefill_chunk, url, model, device, num_cells, no_cuda_graphs, timeout, eager_peer,
-    json_path, plot,
+    max_decode_sequences, min_prefill_chunk, url, model, device, num_cells, kv_memory_fraction, no_cuda_graphs,
+    timeout, eager_peer, json_path, plot,
 ) -> None:
     # Every flag as given, for the JSON report (taken first, before the imports below add names).
     flags = {("json" if name == "json_path" else name): value for name, value in locals().items()}
@@ -134,8 +136,8 @@ def _run(
         other = "requests" if mode == "sweep" else "sweep"
         raise Pt2ServeError(f"{', '.join(given)} only apply to --mode {other}")
     if url is not None:
-        in_process = {**runner_flags, "--num-cells": num_cells, "--device": device,
-                      "--no-cuda-graphs": no_cuda_graphs or None}
+        in_process = {**runner_flags, "--num-cells": num_cells, "--kv-memory-fraction": kv_memory_fraction,
+                      "--device": device, "--no-cuda-graphs": no_cuda_graphs or None}
         given = [name for name, value in in_process.items() if value is not None]
         if given:
             raise Pt2ServeError(f"{', '.join(given)} only apply to in-process runs; a server at --url has its own "
@@ -148,7 +150,7 @@ def _run(
     if artifact is None and url is None:
         raise Pt2ServeError("give the artifact to benchmark (PATH.pt2), or --url with --mode requests")
     raw = read_metadata(artifact).raw if artifact is not None else None  # a missing or bad artifact fails here
-    executor_config = ExecutorConfig(**kv_pool(num_cells), use_cuda_graphs=not no_cuda_graphs)
+    executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
     budget = step_budget(token_budget, max_decode_sequences, min_prefill_chunk)
     if plot is not None:
         from pt2serve.bench.report import check_plot_support

@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from pt2serve.runtime_flags import (
+    kv_memory_fraction_option,
     kv_pool,
     max_decode_sequences_option,
     min_prefill_chunk_option,
@@ -36,10 +37,7 @@ def serve_artifact_command(
     max_decode_sequences: Optional[int] = max_decode_sequences_option(),
     min_prefill_chunk: Optional[int] = min_prefill_chunk_option(),
     num_cells: Optional[int] = num_cells_option(),
-    kv_memory_fraction: Optional[float] = typer.Option(
-        None, help="GPU: the share of the memory left free after the weights load that the KV pool may fill, when "
-        "--num-cells is not given (default: the executor's share; the load line says what the pool got)."
-    ),
+    kv_memory_fraction: Optional[float] = kv_memory_fraction_option(),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="No CUDA graphs (then every step runs forward_others)."),
     api_key: Optional[str] = typer.Option(None, envvar="PT2SERVE_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
