@@ -7,6 +7,9 @@ after changing model or export code).
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +60,34 @@ def tiny_artifact(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def toy_artifact(tmp_path_factory) -> Path:
     return _exported("toy-greedy", tmp_path_factory)
+
+
+@pytest.fixture()
+def tiny_server(tiny_artifact):
+    """The tiny artifact served (OpenAI API, no prefix cache) on 127.0.0.1 at a free port: the base URL."""
+    uvicorn = pytest.importorskip("uvicorn")
+    from pt2serve.runtime.engine import open_runner
+    from pt2serve.runtime.runner import RunnerConfig
+    from pt2serve.serve.app import create_app
+    from pt2serve.serve.config import ServerConfig
+
+    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(prefix_cache_entries=0))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(ServerConfig(model_name="tiny"), runner), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
+        runner.close()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -303,35 +303,9 @@ def test_url_mode_cli_with_json(fake_server, tmp_path):
     assert doc["summary"]["output_tokens"] == 9
 
 
-def test_url_mode_against_the_real_server(tiny_artifact):
-    uvicorn = pytest.importorskip("uvicorn")
-    try:
-        from pt2serve.serve.app import create_app
-        from pt2serve.serve.config import ServerConfig
-    except ImportError:
-        pytest.skip("no server app")
-    from pt2serve.runtime.engine import open_runner
-
-    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(prefix_cache_entries=0))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(ServerConfig(model_name="tiny"), runner), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline
-            time.sleep(0.02)
-        options = RequestsOptions(requests=4, prompt_tokens=10, max_new_tokens=6, stagger_ms=5,
-                                  url=f"http://127.0.0.1:{port}", seed=5)
-        result = run_requests(tiny_artifact, options)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
-        runner.close()
+def test_url_mode_against_the_real_server(tiny_artifact, tiny_server):
+    options = RequestsOptions(requests=4, prompt_tokens=10, max_new_tokens=6, stagger_ms=5, url=tiny_server, seed=5)
+    result = run_requests(tiny_artifact, options)
     assert result.summary["completed"] == 4
     for r in result.requests:
         assert 1 <= r.output_tokens <= 6  # the server does not ignore EOS

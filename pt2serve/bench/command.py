@@ -8,7 +8,18 @@ from typing import Optional
 
 import typer
 
-_HELP = """Benchmark an artifact: throughput per step width (sweep) or latency under load (requests).
+from pt2serve.bench.options import DEFAULT_TPOT_TARGET_MS, DEFAULT_TTFT_TARGET_MS
+from pt2serve.runtime_flags import (
+    kv_memory_fraction_option,
+    kv_pool,
+    max_decode_sequences_option,
+    min_prefill_chunk_option,
+    num_cells_option,
+    step_budget,
+    token_budget_option,
+)
+
+_HELP = f"""Benchmark an artifact: throughput per step width (sweep) or latency under load (requests).
 
 --mode sweep: for each T in --tokens the runner's token budget is T and every steady step is exactly T tokens wide: T decoding requests when T fits a static forward size, else --decode-cap decodes plus a backlog of prompts of --prefill-chunk tokens. Each row is the median over --iters steady steps after --warmup:
 
@@ -19,12 +30,14 @@ _HELP = """Benchmark an artifact: throughput per step width (sweep) or latency u
 - % of limit = limit / step interval. Rows whose steps were not T wide are flagged, not hidden.
 - eager ms: the peer, the row's middle measured step replayed through the uncompiled model module on the same weights (no compile, no CUDA graphs); x eager = eager ms / exec ms. --no-eager-peer skips it.
 
---mode requests: --requests prompts of --prompt-tokens random token ids, --max-new-tokens each (in-process with ignore_eos), arriving every --stagger-ms or as a seeded Poisson process at --request-rate. --url drives a running server's OpenAI API (POST /v1/completions, stream=true) instead.
+--mode requests: --requests prompts of --prompt-tokens random token ids, --max-new-tokens each (in-process with ignore_eos), arriving every --stagger-ms or as a seeded Poisson process at --request-rate. --url drives a running server's OpenAI API (POST /v1/completions, stream=true) instead. --request-rates 1,2,4,8 runs the whole workload once per rate (Poisson arrivals) and prints one row per offered rate: where achieved throughput stops following it and latency climbs, the target is saturated.
 
 - TTFT = first token time - submit time
 - TPOT = (end - first token time) / (n - 1), n = output tokens (n >= 2)
 - E2E = end - submit time (end: the last token's arrival)
-- output tok/s = all output tokens / (last end - first submit); p50/p90/p99 of each latency
+- output tok/s = all output tokens / (last end - first submit); req/s = completed requests / the same time; p50/p90/p99 of each latency
+- goodput = requests with TTFT <= --ttft-target-ms and TPOT <= --tpot-target-ms (none for one-token answers), per second of the same time. The default targets, {DEFAULT_TTFT_TARGET_MS:g} ms and {DEFAULT_TPOT_TARGET_MS:g} ms, are MLPerf Inference's server-scenario limits for Llama 3.1 8B: a reply starts within 2 s and then streams at 10 tokens/s or faster, quicker than people read (MLPerf holds its p99 to them; goodput counts each request).
+- in-process: steps = runner steps the workload took, mean width = their tokens / steps; the step budget (--token-budget, --max-decode-sequences, --min-prefill-chunk) is the runner's unless given
 
 --json writes every number with the machine, versions, artifact metadata and flags; --plot writes a PNG.
 """
@@ -51,16 +64,28 @@ def bench_command(
     max_new_tokens: int = typer.Option(64, help="requests: output tokens per request."),
     stagger_ms: Optional[float] = typer.Option(None, help="requests: fixed gap between arrivals (default 0)."),
     request_rate: Optional[float] = typer.Option(None, help="requests: Poisson arrivals at this rate (req/s)."),
+    request_rates: Optional[str] = typer.Option(
+        None, help="requests: run the workload once per rate (req/s, Poisson), comma-separated, e.g. 1,2,4,8."
+    ),
+    ttft_target_ms: Optional[float] = typer.Option(
+        None, help=f"requests: goodput's TTFT target (default {DEFAULT_TTFT_TARGET_MS:g} ms; see above)."
+    ),
+    tpot_target_ms: Optional[float] = typer.Option(
+        None, help=f"requests: goodput's TPOT target (default {DEFAULT_TPOT_TARGET_MS:g} ms; see above)."
+    ),
     seed: int = typer.Option(0, help="Seed for prompts and arrivals."),
-    token_budget: Optional[int] = typer.Option(None, help="requests, in-process: runner tokens per step."),
+    token_budget: Optional[int] = token_budget_option(),
+    max_decode_sequences: Optional[int] = max_decode_sequences_option(),
+    min_prefill_chunk: Optional[int] = min_prefill_chunk_option(),
     url: Optional[str] = typer.Option(None, help="requests: drive the server at this URL instead (e.g. http://127.0.0.1:8000)."),
     model: Optional[str] = typer.Option(None, help="requests with --url: model name (default: the server's first)."),
     device: Optional[str] = typer.Option(None, help="Load onto this device (default: what the artifact was built for)."),
-    num_cells: Optional[int] = typer.Option(None, help="KV pool size in cells (default: the executor's)."),
+    num_cells: Optional[int] = num_cells_option(),
+    kv_memory_fraction: Optional[float] = kv_memory_fraction_option(),
     no_cuda_graphs: bool = typer.Option(
         False, "--no-cuda-graphs", help="In-process runs without CUDA graphs (then every step runs forward_others)."
     ),
-    timeout: float = typer.Option(600.0, help="Seconds a sweep row, or the whole requests run, may take."),
+    timeout: float = typer.Option(600.0, help="Seconds a sweep row, or each requests run, may take."),
     eager_peer: bool = typer.Option(True, help="sweep: also time each row's middle step in eager PyTorch."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every number to this JSON file."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG plot here (needs matplotlib)."),
@@ -82,45 +107,53 @@ def locals_without(values: dict, *names: str) -> dict:
 
 
 def _run(
-    artifact, mode, tokens, warmup, iters, decode_cap, prefill_chunk, context, prompt_tokens, requests, max_new_tokens,
-    stagger_ms, request_rate, seed, token_budget, url, model, device, num_cells, no_cuda_graphs, timeout,
-    eager_peer, json_path, plot,
+    artifact, mode, tokens, warmup, iters, decode_cap, prefill_chunk, context, prompt_tokens, requests,
+    max_new_tokens, stagger_ms, request_rate, request_rates, ttft_target_ms, tpot_target_ms, seed, token_budget,
+    max_decode_sequences, min_prefill_chunk, url, model, device, num_cells, kv_memory_fraction, no_cuda_graphs,
+    timeout, eager_peer, json_path, plot,
 ) -> None:
+    # Every flag as given, for the JSON report (taken first, before the imports below add names).
+    flags = {("json" if name == "json_path" else name): value for name, value in locals().items()}
     from rich.console import Console
 
-    from pt2serve.bench.options import MODES, RequestsOptions, SweepOptions, parse_tokens
+    from pt2serve.bench.options import MODES, LatencyTargets, RequestsOptions, SweepOptions, parse_rates, parse_tokens
     from pt2serve.bench.progress import StatusLine
     from pt2serve.errors import Pt2ServeError
     from pt2serve.runtime.artifact import read_metadata
     from pt2serve.runtime.executor import ExecutorConfig
 
-    flags = {
-        "artifact": artifact, "mode": mode, "tokens": tokens, "warmup": warmup, "iters": iters,
-        "decode_cap": decode_cap, "prefill_chunk": prefill_chunk, "context": context, "prompt_tokens": prompt_tokens,
-        "requests": requests, "max_new_tokens": max_new_tokens, "stagger_ms": stagger_ms,
-        "request_rate": request_rate, "seed": seed, "token_budget": token_budget, "url": url, "model": model,
-        "device": device, "num_cells": num_cells, "no_cuda_graphs": no_cuda_graphs, "timeout": timeout, "eager_peer": eager_peer, "json": json_path,
-        "plot": plot,
-    }
     if mode not in MODES:
         raise Pt2ServeError(f"unknown --mode {mode!r}: choose {' or '.join(MODES)}")
+    # The sweep sets its own step budget per row; a server (--url) has its own runner and pool.
+    runner_flags = {"--token-budget": token_budget, "--max-decode-sequences": max_decode_sequences,
+                    "--min-prefill-chunk": min_prefill_chunk}
     wrong_mode = {
-        "sweep": {"--stagger-ms": stagger_ms, "--request-rate": request_rate, "--url": url, "--model": model,
-                  "--token-budget": token_budget, "--prompt-tokens": prompt_tokens},
+        "sweep": {"--stagger-ms": stagger_ms, "--request-rate": request_rate, "--request-rates": request_rates,
+                  "--ttft-target-ms": ttft_target_ms, "--tpot-target-ms": tpot_target_ms, "--url": url,
+                  "--model": model, "--prompt-tokens": prompt_tokens, **runner_flags},
         "requests": {"--tokens": tokens, "--prefill-chunk": prefill_chunk, "--context": context},
     }[mode]
     given = [name for name, value in wrong_mode.items() if value is not None]
     if given:
         other = "requests" if mode == "sweep" else "sweep"
         raise Pt2ServeError(f"{', '.join(given)} only apply to --mode {other}")
-    if stagger_ms is not None and request_rate is not None:
-        raise Pt2ServeError("give --stagger-ms or --request-rate, not both")
+    if url is not None:
+        in_process = {**runner_flags, "--num-cells": num_cells, "--kv-memory-fraction": kv_memory_fraction,
+                      "--device": device, "--no-cuda-graphs": no_cuda_graphs or None}
+        given = [name for name, value in in_process.items() if value is not None]
+        if given:
+            raise Pt2ServeError(f"{', '.join(given)} only apply to in-process runs; a server at --url has its own "
+                                "(set them on pt2serve serve-artifact)")
+    arrivals = {"--stagger-ms": stagger_ms, "--request-rate": request_rate, "--request-rates": request_rates}
+    given = [name for name, value in arrivals.items() if value is not None]
+    if len(given) > 1:
+        raise Pt2ServeError(f"give one of {', '.join(given)}, not both")
+    rates = parse_rates(request_rates) if request_rates is not None else None
     if artifact is None and url is None:
         raise Pt2ServeError("give the artifact to benchmark (PATH.pt2), or --url with --mode requests")
     raw = read_metadata(artifact).raw if artifact is not None else None  # a missing or bad artifact fails here
-    if num_cells is not None and num_cells < 2:
-        raise Pt2ServeError(f"--num-cells must be at least 2, got {num_cells}")
-    executor_config = ExecutorConfig(num_cells=num_cells, use_cuda_graphs=not no_cuda_graphs)
+    executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
+    budget = step_budget(token_budget, max_decode_sequences, min_prefill_chunk)
     if plot is not None:
         from pt2serve.bench.report import check_plot_support
 
@@ -147,22 +180,36 @@ def _run(
         if plot is not None:
             report.plot_sweep(result, plot, title)
     else:
-        from pt2serve.bench.requests_mode import run_requests
+        from pt2serve.runtime.runner import RunnerConfig
 
+        targets = LatencyTargets(
+            ttft_ms=ttft_target_ms if ttft_target_ms is not None else LatencyTargets.ttft_ms,
+            tpot_ms=tpot_target_ms if tpot_target_ms is not None else LatencyTargets.tpot_ms,
+        )
         options = RequestsOptions(
             requests=requests,
             prompt_tokens=prompt_tokens if prompt_tokens is not None else RequestsOptions.prompt_tokens,
             max_new_tokens=max_new_tokens, stagger_ms=stagger_ms or 0.0, request_rate=request_rate, seed=seed,
-            token_budget=token_budget, url=url, model=model, timeout=timeout,
+            url=url, model=model, timeout=timeout, targets=targets,
         )
+        target = dict(device=device, executor_config=executor_config, runner_config=RunnerConfig(**budget))
         with StatusLine() as status:
-            result = run_requests(artifact, options, device=device, executor_config=executor_config,
-                                  progress=status)
-        title = f"pt2serve bench requests: {name}" + (f" on {result.device}" if result.device else "")
-        console.print(report.requests_table(result, title))
-        document = report.requests_document(result, str(artifact) if artifact else None, raw, flags)
+            if rates is None:
+                from pt2serve.bench.requests_mode import run_requests
+
+                result = run_requests(artifact, options, progress=status, **target)
+                table, to_document, draw = report.requests_table, report.requests_document, report.plot_requests
+            else:
+                from pt2serve.bench.rates import run_request_rates
+
+                result = run_request_rates(artifact, options, rates, progress=status, **target)
+                table, to_document, draw = report.rates_table, report.rates_document, report.plot_rates
+        title = (f"pt2serve bench requests: {name}" + ("" if url is not None else " in process")
+                 + (f" on {result.device}" if result.device else ""))
+        console.print(table(result, title))
+        document = to_document(result, str(artifact) if artifact else None, raw, flags)
         if plot is not None:
-            report.plot_requests(result, plot, title)
+            draw(result, plot, title)
     if json_path is not None:
         report.write_json(document, json_path)
         console.print(f"wrote {json_path}")

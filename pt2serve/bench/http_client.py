@@ -66,7 +66,7 @@ async def _drive(options: RequestsOptions, vocab_size: int, progress: Progress |
     if all(t.error is not None for t in timings):
         raise Pt2ServeError(f"every request to {base} failed; the first error: {timings[0].error}")
     result = RequestsResult(base, options, timings)
-    result.summary = summarise(timings)
+    result.summary = summarise(timings, options.targets)
     return result
 
 

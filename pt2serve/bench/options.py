@@ -14,6 +14,10 @@ from pt2serve.errors import Pt2ServeError
 MODES = ("sweep", "requests")
 MAX_DEFAULT_TOKENS = 4096
 DEFAULT_BACKLOG_PROMPT = 256
+# Goodput's default latency targets: MLPerf Inference's server scenario for Llama 3.1 8B (loadgen/mlperf.conf):
+# the first token within 2 s, then at least 10 tokens/s, which streams faster than people read.
+DEFAULT_TTFT_TARGET_MS = 2000.0
+DEFAULT_TPOT_TARGET_MS = 100.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,19 @@ class SweepOptions:
 
 
 @dataclass(frozen=True)
+class LatencyTargets:
+    """What a request must meet to count toward goodput."""
+
+    ttft_ms: float = DEFAULT_TTFT_TARGET_MS
+    tpot_ms: float = DEFAULT_TPOT_TARGET_MS
+
+    def check(self) -> None:
+        for flag, value in (("--ttft-target-ms", self.ttft_ms), ("--tpot-target-ms", self.tpot_ms)):
+            if not (value > 0 and math.isfinite(value)):
+                raise Pt2ServeError(f"{flag} must be a positive number of milliseconds, got {value}")
+
+
+@dataclass(frozen=True)
 class RequestsOptions:
     """--mode requests: N requests arriving on a fixed stagger or as a Poisson process."""
 
@@ -58,11 +75,11 @@ class RequestsOptions:
     stagger_ms: float = 0.0  # fixed gap between arrivals
     request_rate: float | None = None  # requests/s, Poisson arrivals (exponential gaps drawn with `seed`)
     seed: int = 0
-    token_budget: int | None = None  # in-process runner's tokens per step (None: its default)
     url: str | None = None  # drive a running server instead of an in-process runner
     model: str | None = None  # model name sent to the server (None: the first of GET /v1/models)
     timeout: float = 600.0  # seconds the whole run may take
     warmup_request: bool = True  # one short untimed request first
+    targets: LatencyTargets = LatencyTargets()  # what counts toward goodput
 
     def check(self) -> None:
         if self.requests < 1:
@@ -75,29 +92,37 @@ class RequestsOptions:
             raise Pt2ServeError(f"--stagger-ms must be a finite number >= 0, got {self.stagger_ms}")
         if self.request_rate is not None and not (self.request_rate > 0 and math.isfinite(self.request_rate)):
             raise Pt2ServeError(f"--request-rate must be a positive number of requests/s, got {self.request_rate}")
-        if self.token_budget is not None and self.token_budget < 1:
-            raise Pt2ServeError(f"--token-budget must be at least 1, got {self.token_budget}")
         if self.timeout <= 0:
             raise Pt2ServeError(f"--timeout must be positive, got {self.timeout}")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise Pt2ServeError(f"--url must start with http:// or https://, got {self.url!r}")
+        self.targets.check()
 
 
 def parse_tokens(text: str) -> tuple[int, ...]:
     """'1,2,4' -> (1, 2, 4); anything but positive integers is an error."""
+    return _parse_list(text, "--tokens", int, "integers", "1,2,4,8")
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    """'0.5,1,2' -> (0.5, 1.0, 2.0) requests/s; anything but positive finite numbers is an error."""
+    return _parse_list(text, "--request-rates", float, "numbers", "1,2,4,8")
+
+
+def _parse_list(text: str, flag: str, kind: type, what: str, example: str) -> tuple:
     parts = [part.strip() for part in text.split(",")]
     if not any(parts):
-        raise Pt2ServeError("--tokens is empty: give comma-separated positive integers, e.g. 1,2,4,8")
+        raise Pt2ServeError(f"{flag} is empty: give comma-separated positive {what}, e.g. {example}")
     values = []
     for part in parts:
         if not part:
             continue
         try:
-            value = int(part)
+            value = kind(part)
         except ValueError:
-            raise Pt2ServeError(f"--tokens must be comma-separated positive integers, got {part!r} in {text!r}") from None
-        if value < 1:
-            raise Pt2ServeError(f"--tokens must be positive integers, got {value}")
+            raise Pt2ServeError(f"{flag} must be comma-separated positive {what}, got {part!r} in {text!r}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise Pt2ServeError(f"{flag} must be positive {what}, got {value}")
         values.append(value)
     return tuple(values)
 

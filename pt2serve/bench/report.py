@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
 from pt2serve.bench.environment import artifact_summary, machine_info, versions
+from pt2serve.bench.rates import RateSweepResult
 from pt2serve.bench.requests_mode import RequestsResult
 from pt2serve.bench.sweep import SweepResult, SweepRow
 from pt2serve.errors import Pt2ServeError
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.3g}"
 
 
 def _num(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _ms(seconds: float | None) -> str:
+    return _num(None if seconds is None else seconds * 1e3)
 
 
 def _workload(row: SweepRow) -> str:
@@ -57,7 +59,7 @@ def requests_table(result: RequestsResult, title: str | None = None) -> Table:
     s = result.summary
     caption = (f"{s['completed']}/{s['requests']} completed, {s['output_tokens']} output tokens in "
                f"{_num(s['duration_seconds'])} s: {_num(s['output_tokens_per_second'])} output tok/s, "
-               f"{_num(s['requests_per_second'])} req/s ({result.target})")
+               f"{_num(s['requests_per_second'])} req/s ({result.target}); {_goodput(s)}{_steps(result)}")
     table = Table(title=title or "pt2serve bench: requests", caption=caption)
     for name in ("metric", "p50 ms", "p90 ms", "p99 ms", "mean ms", "max ms", "n"):
         table.add_column(name, justify="left" if name == "metric" else "right")
@@ -66,6 +68,48 @@ def requests_table(result: RequestsResult, title: str | None = None) -> Table:
         table.add_row(label, _ms(d["p50"]), _ms(d["p90"]), _ms(d["p99"]), _ms(d["mean"]), _ms(d["max"]),
                       str(d["count"]))
     return table
+
+
+def rates_table(result: RateSweepResult, title: str | None = None) -> Table:
+    """One row per offered rate: what came out, goodput, and the latency percentiles."""
+    o = result.options
+    caption = (f"each rate: {o.requests} requests of {o.prompt_tokens} prompt + {o.max_new_tokens} new tokens, "
+               f"Poisson arrivals ({result.target}); goodput: requests within TTFT {o.targets.ttft_ms:g} ms and "
+               f"TPOT {o.targets.tpot_ms:g} ms, per second; latencies in ms as p50 / p90 / p99")
+    in_process = result.runs[0].num_steps is not None
+    if in_process:
+        caption += f"; token budget {result.runs[0].step_budget['token_budget']}"
+    table = Table(title=title or "pt2serve bench: request rates", caption=caption)
+    columns = ["offered req/s", "req/s", "goodput req/s", "good", "output tok/s", "TTFT ms", "TPOT ms", "E2E ms"]
+    for name in columns + (["steps", "mean width"] if in_process else []):
+        table.add_column(name, justify="right")
+    for run in result.runs:
+        s, good = run.summary, run.summary["goodput"]
+        cells = [f"{run.options.request_rate:g}", _num(s["requests_per_second"]), _num(good["requests_per_second"]),
+                 f"{good['good_requests']}/{s['requests']}", _num(s["output_tokens_per_second"]),
+                 *(_percentiles(s[key]) for key in ("ttft_seconds", "tpot_seconds", "e2e_seconds"))]
+        if in_process:
+            cells += [str(run.num_steps), _num(run.mean_step_width)]
+        table.add_row(*cells, style="red" if s["failed"] else None)
+    return table
+
+
+def _percentiles(d: dict[str, Any]) -> str:
+    return " / ".join(_ms(d[p]) for p in ("p50", "p90", "p99"))
+
+
+def _goodput(s: dict[str, Any]) -> str:
+    good = s["goodput"]
+    return (f"goodput {_num(good['requests_per_second'])} req/s ({good['good_requests']}/{s['requests']} within "
+            f"TTFT {good['ttft_target_ms']:g} ms and TPOT {good['tpot_target_ms']:g} ms)")
+
+
+def _steps(result: RequestsResult) -> str:
+    if result.num_steps is None:
+        return ""
+    budget = result.step_budget or {}
+    return (f"; {result.num_steps} steps, mean width {_num(result.mean_step_width)} tokens (token budget "
+            f"{budget.get('token_budget', '-')}, up to {budget.get('max_decode_sequences', '-')} decodes)")
 
 
 def sweep_document(result: SweepResult, artifact: str | None, raw: dict[str, Any] | None,
@@ -85,9 +129,28 @@ def requests_document(result: RequestsResult, artifact: str | None, raw: dict[st
                       flags: dict[str, Any]) -> dict[str, Any]:
     return {
         **_header("requests", artifact, raw, result.device, flags),
-        "options": _plain(result.options.__dict__),
+        "options": _plain(asdict(result.options)),
+        **_run(result),
+    }
+
+
+def rates_document(result: RateSweepResult, artifact: str | None, raw: dict[str, Any] | None,
+                   flags: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **_header("requests", artifact, raw, result.device, flags),
+        "options": _plain(asdict(result.options)),
+        "target": result.target,
+        "rates": [{"offered_rate": run.options.request_rate, **_run(run)} for run in result.runs],
+    }
+
+
+def _run(result: RequestsResult) -> dict[str, Any]:
+    return {
         "target": result.target,
         "num_steps": result.num_steps,
+        "mean_step_width": result.mean_step_width,
+        "step_budget": result.step_budget,
+        "num_cells": result.num_cells,
         "summary": result.summary,
         "requests": [r.to_dict() for r in result.requests],
     }
@@ -187,6 +250,42 @@ def plot_requests(result: RequestsResult, path: Path, title: str) -> None:
     ax.set_title(title)
     ax.invert_yaxis()
     ax.legend(loc="lower right")
+    _save(fig, plt, path)
+
+
+def plot_rates(result: RateSweepResult, path: Path, title: str) -> None:
+    """Throughput and latency percentiles against the offered rate: where the target saturates."""
+    plt = _pyplot()
+    runs = result.runs
+    rates = [run.options.request_rate for run in runs]
+    targets = result.options.targets
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), dpi=120, sharex=True)
+    ax = axes[0][0]
+    ax.plot(rates, rates, ":", color="gray", label="offered")
+    ax.plot(rates, [run.summary["requests_per_second"] for run in runs], "o-", label="achieved")
+    ax.plot(rates, [run.summary["goodput"]["requests_per_second"] for run in runs], "s--", label="goodput")
+    ax.set_ylabel("requests / s")
+    ax.legend()
+    ax = axes[0][1]
+    ax.plot(rates, [run.summary["output_tokens_per_second"] for run in runs], "o-")
+    ax.set_ylabel("output tokens / s")
+    for ax, key, label, target in ((axes[1][0], "ttft_seconds", "TTFT", targets.ttft_ms),
+                                   (axes[1][1], "tpot_seconds", "TPOT", targets.tpot_ms)):
+        for p, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+            values = [run.summary[key][p] for run in runs]
+            ax.plot(rates, [None if v is None else v * 1e3 for v in values], style, label=p)
+        ax.axhline(target, color="red", alpha=0.5, label="target")
+        ax.set_ylabel(f"{label} (ms)")
+        ax.set_yscale("log")
+        ax.legend()
+    for ax in axes.flat:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(rates, [f"{rate:g}" for rate in rates])
+        ax.xaxis.set_minor_locator(plt.NullLocator())
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("offered rate (requests / s, Poisson)")
+    fig.suptitle(title)
     _save(fig, plt, path)
 
 

@@ -8,24 +8,28 @@ Metrics (every time is taken on the client side, with perf_counter):
   TPOT  = (end - first token time) / (n - 1), for requests with n >= 2 output tokens
   E2E   = end - submit time            (end: when the request's last token arrived)
   output tok/s = all output tokens / (last end - first submit)
-Each is reported as p50 / p90 / p99 (linear interpolation) with mean, min and max in the JSON.
+  goodput = requests that met both latency targets (TTFT <= its target, and TPOT <= its target where a
+            request has a TPOT) / (last end - first submit)
+Each latency is reported as p50 / p90 / p99 (linear interpolation) with mean, min and max in the JSON.
 
 In-process, requests go straight to a Runner (ignore_eos, so each produces max_new_tokens tokens) and
-their tokens are timed in the runner's event callback. With a URL (see http_client.py) they go to a
-running server's OpenAI completions API instead. Either way one short untimed request runs first.
+their tokens are timed in the runner's event callback; the runner's step history gives the steps taken
+and their mean width. With a URL (see http_client.py) they go to a running server's OpenAI completions
+API instead. Either way one short untimed request runs first.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from pt2serve.bench.options import RequestsOptions
+from pt2serve.bench.options import LatencyTargets, RequestsOptions
 from pt2serve.bench.stats import summary
 from pt2serve.errors import Pt2ServeError
 
@@ -60,6 +64,13 @@ class RequestTiming:
             return None
         return (self.end - self.first_token) / (self.output_tokens - 1)
 
+    def meets(self, targets: LatencyTargets) -> bool:
+        """Completed within both targets (a one-token answer has no TPOT to miss)."""
+        if self.error is not None or self.end is None or self.ttft is None:
+            return False
+        tpot = self.tpot
+        return self.ttft * 1e3 <= targets.ttft_ms and (tpot is None or tpot * 1e3 <= targets.tpot_ms)
+
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}
 
@@ -71,6 +82,9 @@ class RequestsResult:
     requests: list[RequestTiming]
     device: str | None = None
     num_steps: int | None = None  # in-process: runner steps taken
+    mean_step_width: float | None = None  # in-process: tokens per step, averaged over those steps
+    step_budget: dict[str, int] | None = None  # in-process: the scheduler's token budget, decode cap, min chunk
+    num_cells: int | None = None  # in-process: the KV pool's size in cells (with the scratch cell)
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -88,12 +102,13 @@ def make_prompts(options: RequestsOptions, vocab_size: int) -> list[list[int]]:
     return [rng.integers(0, vocab_size, options.prompt_tokens).tolist() for _ in range(options.requests)]
 
 
-def summarise(requests: list[RequestTiming]) -> dict[str, Any]:
+def summarise(requests: list[RequestTiming], targets: LatencyTargets = LatencyTargets()) -> dict[str, Any]:
     done = [r for r in requests if r.error is None and r.end is not None]
     submits = [r.submit for r in requests if r.submit is not None]
     ends = [r.end for r in done]
     tokens = sum(r.output_tokens for r in done)
     duration = (max(ends) - min(submits)) if ends and submits else None
+    good = sum(r.meets(targets) for r in done)
     return {
         "requests": len(requests),
         "completed": len(done),
@@ -103,6 +118,13 @@ def summarise(requests: list[RequestTiming]) -> dict[str, Any]:
         "duration_seconds": duration,
         "output_tokens_per_second": tokens / duration if duration else None,
         "requests_per_second": len(done) / duration if duration else None,
+        "goodput": {
+            "ttft_target_ms": targets.ttft_ms,
+            "tpot_target_ms": targets.tpot_ms,
+            "good_requests": good,
+            "good_fraction": good / len(requests) if requests else None,
+            "requests_per_second": good / duration if duration else None,
+        },
         "ttft_seconds": summary(r.ttft for r in done),
         "tpot_seconds": summary(r.tpot for r in done),
         "e2e_seconds": summary(r.e2e for r in done),
@@ -114,9 +136,27 @@ def run_requests(
     options: RequestsOptions = RequestsOptions(),
     device: str | None = None,
     executor_config=None,
+    runner_config=None,
     progress: Progress | None = None,
 ) -> RequestsResult:
     """In-process on the artifact at `path`, or against `options.url` (then `path` is optional)."""
+    with open_target(path, options, device, executor_config, runner_config, progress) as drive:
+        return drive(options, progress)
+
+
+Drive = Callable[[RequestsOptions, Progress | None], RequestsResult]  # one workload, one result
+
+
+@contextmanager
+def open_target(
+    path: str | Path | None,
+    options: RequestsOptions,
+    device: str | None = None,
+    executor_config=None,
+    runner_config=None,
+    progress: Progress | None = None,
+) -> Iterator[Drive]:
+    """A function that runs one workload: on a Runner loaded once (closed on exit), or against options.url."""
     from pt2serve.runtime.artifact import read_metadata
 
     options.check()
@@ -126,22 +166,20 @@ def run_requests(
     if options.url is not None:
         from pt2serve.bench.http_client import drive_server
 
-        return drive_server(options, meta["vocab_size"] if meta else None, progress)
+        vocab_size = meta["vocab_size"] if meta else None
+        yield lambda run_options, run_progress: drive_server(run_options, vocab_size, run_progress)
+        return
     if path is None:
         raise Pt2ServeError("give an artifact to run in-process, or --url to drive a running server")
-    from pt2serve.runtime.artifact import load_artifact
-    from pt2serve.runtime.engine import artifact_tokenizer
-    from pt2serve.runtime.executor import Executor, ExecutorConfig
-    from pt2serve.runtime.runner import Runner, RunnerConfig
+    from pt2serve.runtime.engine import open_runner
+    from pt2serve.runtime.executor import ExecutorConfig
+    from pt2serve.runtime.runner import RunnerConfig
 
     if progress is not None:
         progress(f"loading {path}")
-    artifact = load_artifact(path, device=device)
-    executor = Executor(artifact, executor_config or ExecutorConfig())
-    tokenizer = artifact_tokenizer(artifact.tokenizer_json, artifact.metadata.raw.get("tokenizer"))
-    runner = Runner(executor, tokenizer, RunnerConfig(token_budget=options.token_budget))
+    runner = open_runner(path, device, executor_config or ExecutorConfig(), runner_config or RunnerConfig())
     try:
-        return drive_runner(runner, options, progress)
+        yield lambda run_options, run_progress: drive_runner(runner, run_options, run_progress)
     finally:
         runner.close()
 
@@ -162,7 +200,7 @@ def drive_runner(runner, options: RequestsOptions, progress: Progress | None = N
     prompts = make_prompts(options, runner.vocab_size)
     if options.warmup_request:
         runner.generate(prompts[0][:8], max_new_tokens=2, ignore_eos=True)
-    steps_before = runner.scheduler.step
+    steps_before = runner.scheduler.step  # steps numbered after this one are the workload's
     timings = [RequestTiming(i, t, options.prompt_tokens) for i, t in enumerate(arrival_times(options))]
     finished = [threading.Event() for _ in timings]
     origin = time.perf_counter()
@@ -198,9 +236,16 @@ def drive_runner(runner, options: RequestsOptions, progress: Progress | None = N
             raise Pt2ServeError(f"the requests did not finish within --timeout {options.timeout:.0f} s")
         _report(progress, timings, finished)
         time.sleep(0.1)
-    result = RequestsResult("in-process", options, timings, str(runner.executor.device),
-                            runner.scheduler.step - steps_before)
-    result.summary = summarise(timings)
+    widths = [record.num_tokens for record in list(runner.step_history) if record.step > steps_before]
+    budget = runner.scheduler.config
+    result = RequestsResult(
+        "in-process", options, timings, str(runner.executor.device), num_steps=len(widths),
+        mean_step_width=sum(widths) / len(widths) if widths else None,
+        step_budget={"token_budget": budget.token_budget, "max_decode_sequences": budget.max_decode_sequences,
+                     "min_prefill_chunk": budget.min_prefill_chunk},
+        num_cells=runner.executor.memory.num_cells,
+    )
+    result.summary = summarise(timings, options.targets)
     return result
 
 

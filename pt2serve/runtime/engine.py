@@ -31,7 +31,7 @@ def open_runner(
 
 
 def describe_load(runner: Runner) -> str:
-    """One line on what loading cost: time, device memory by kind, graph capture."""
+    """One line on what loading cost (time, device memory by kind, graph capture) and the step budget."""
     executor = runner.executor
     memory = executor.memory
     if executor.uses_cuda_graphs:
@@ -41,8 +41,10 @@ def describe_load(runner: Runner) -> str:
         graphs = "CUDA graphs off, static methods run without them"
     else:
         graphs = "no CUDA graphs: every step runs forward_others"
+    budget = runner.scheduler.config
     return (
         f"loaded in {executor.artifact.report.load_seconds:.1f} s on {executor.device}: weights "
         f"{memory.weight_bytes / 1e6:.1f} MB, KV pool {memory.pool_bytes / 1e6:.1f} MB ({memory.num_cells} cells), "
-        f"{graphs}"
+        f"{graphs}; steps of up to {budget.token_budget} tokens with up to {budget.max_decode_sequences} decodes, "
+        f"prefill chunks of {budget.min_prefill_chunk} tokens or more"
     )

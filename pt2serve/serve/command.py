@@ -11,6 +11,16 @@ from typing import Optional
 
 import typer
 
+from pt2serve.runtime_flags import (
+    kv_memory_fraction_option,
+    kv_pool,
+    max_decode_sequences_option,
+    min_prefill_chunk_option,
+    num_cells_option,
+    step_budget,
+    token_budget_option,
+)
+
 DEVICES = ("cuda", "cpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -23,6 +33,11 @@ def serve_artifact_command(
     max_sessions: int = typer.Option(64, help="Sessions (X-Session-ID) whose KV cells are kept between requests."),
     max_queued: int = typer.Option(256, help="Requests running or queued before new ones are answered with 429."),
     prefix_cache_entries: int = typer.Option(0, help="Prompt prefixes kept for reuse across requests (0: off)."),
+    token_budget: Optional[int] = token_budget_option(),
+    max_decode_sequences: Optional[int] = max_decode_sequences_option(),
+    min_prefill_chunk: Optional[int] = min_prefill_chunk_option(),
+    num_cells: Optional[int] = num_cells_option(),
+    kv_memory_fraction: Optional[float] = kv_memory_fraction_option(),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="No CUDA graphs (then every step runs forward_others)."),
     api_key: Optional[str] = typer.Option(None, envvar="PT2SERVE_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
@@ -55,8 +70,9 @@ def serve_artifact_command(
 
     try:
         config = ServerConfig(model_name=model_name or artifact.stem, api_key=api_key, max_queued=max_queued)
-        executor_config = ExecutorConfig(use_cuda_graphs=not no_cuda_graphs)
-        runner_config = RunnerConfig(prefix_cache_entries=prefix_cache_entries, max_sessions=max_sessions)
+        executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
+        runner_config = RunnerConfig(**step_budget(token_budget, max_decode_sequences, min_prefill_chunk),
+                                     prefix_cache_entries=prefix_cache_entries, max_sessions=max_sessions)
     except Pt2ServeError as err:
         fail(str(err))
 

@@ -1,0 +1,70 @@
+"""The runtime's command-line flags that serve-artifact and bench share: the step budget and the KV pool.
+
+Each flag defaults to None, which leaves the field out of RunnerConfig / ExecutorConfig so the runtime's
+own default applies; the defaults live there, and the help only says in words what they are. A value a
+user can get wrong is refused here with the flag's name, before anything loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from pt2serve.errors import Pt2ServeError
+
+
+def token_budget_option() -> Any:
+    return typer.Option(
+        None, help="Tokens one runner step may carry, decodes and prefill chunks together (default: the runner's "
+        "budget, 2,048 or the artifact's max step tokens if fewer, so prompts prefill in wide chunks while every "
+        "running decode still gets its token each step). Wider steps amortise the weight reads over more tokens; "
+        "narrower ones keep each decode step short."
+    )
+
+
+def max_decode_sequences_option() -> Any:
+    return typer.Option(
+        None, help="Running sequences that get a decode token in one step (default: the runner's cap, the token "
+        "budget). When prompts wait, the scheduler also keeps room for a prefill chunk."
+    )
+
+
+def min_prefill_chunk_option() -> Any:
+    return typer.Option(
+        None, help="A prompt is not cut into prefill chunks shorter than this, but for its last piece (default: "
+        "the artifact's, as exported with --min-prefill-chunk)."
+    )
+
+
+def num_cells_option() -> Any:
+    return typer.Option(
+        None, help="KV pool size in cells, one per token of context (default: the artifact's max_cells; on a GPU "
+        "no more than --kv-memory-fraction of the memory free after the weights holds)."
+    )
+
+
+def kv_memory_fraction_option() -> Any:
+    return typer.Option(
+        None, help="GPU: the share of the memory left free after the weights load that the KV pool may fill, when "
+        "--num-cells is not given (default: the executor's share; the load line says what the pool got)."
+    )
+
+
+def step_budget(token_budget: int | None, max_decode_sequences: int | None,
+                min_prefill_chunk: int | None) -> dict[str, int]:
+    """The RunnerConfig fields the flags set (the ones given), each checked."""
+    given = {"token_budget": token_budget, "max_decode_sequences": max_decode_sequences,
+             "min_prefill_chunk": min_prefill_chunk}
+    for name, value in given.items():
+        if value is not None and value < 1:
+            raise Pt2ServeError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def kv_pool(num_cells: int | None, kv_memory_fraction: float | None) -> dict[str, Any]:
+    """The ExecutorConfig fields the flags set (the ones given); ExecutorConfig checks the fraction."""
+    if num_cells is not None and num_cells < 2:
+        raise Pt2ServeError(f"--num-cells must be at least 2 (a cell for a token and the scratch cell), got {num_cells}")
+    given = {"num_cells": num_cells, "kv_memory_fraction": kv_memory_fraction}
+    return {name: value for name, value in given.items() if value is not None}

@@ -1,0 +1,147 @@
+"""The step budget and KV pool flags of serve-artifact and bench: they reach RunnerConfig / ExecutorConfig, a flag
+left out keeps the runtime's own default, a bad value is a clear error, and the help says what the defaults are.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from pt2serve.cli import app
+from pt2serve.errors import Pt2ServeError
+from pt2serve.runtime.engine import describe_load, open_runner
+from pt2serve.runtime.executor import ExecutorConfig
+from pt2serve.runtime.runner import DEFAULT_TOKEN_BUDGET, RunnerConfig
+
+BUDGET_FLAGS = ["--token-budget", "40", "--max-decode-sequences", "3", "--min-prefill-chunk", "5"]
+
+
+class Stop(Pt2ServeError):
+    pass
+
+
+@pytest.fixture()
+def captured_configs(monkeypatch):
+    """serve-artifact's loader gets the configs and stops there (the server then exits with the message)."""
+    seen = {}
+
+    def load(path, device=None, executor_config=ExecutorConfig(), runner_config=RunnerConfig(), **_):
+        seen.update(executor=executor_config, runner=runner_config)
+        raise Stop("stopped by the test after reading the configs")
+
+    monkeypatch.setattr("pt2serve.runtime.engine.open_runner", load)
+    return seen
+
+
+def serve(artifact, *args: str):
+    return CliRunner().invoke(app, ["serve-artifact", str(artifact), "--port", "0", *args])
+
+
+def test_serve_flags_reach_the_configs(tiny_artifact, captured_configs):
+    result = serve(tiny_artifact, *BUDGET_FLAGS, "--num-cells", "900", "--kv-memory-fraction", "0.3",
+                   "--max-sessions", "7")
+    assert "stopped by the test" in result.output, result.output
+    runner, executor = captured_configs["runner"], captured_configs["executor"]
+    assert (runner.token_budget, runner.max_decode_sequences, runner.min_prefill_chunk) == (40, 3, 5)
+    assert runner.max_sessions == 7
+    assert (executor.num_cells, executor.kv_memory_fraction) == (900, 0.3)
+
+
+def test_serve_flags_left_out_keep_the_runtime_defaults(tiny_artifact, captured_configs):
+    serve(tiny_artifact, "--token-budget", "40")
+    assert captured_configs["runner"] == RunnerConfig(token_budget=40)
+    assert captured_configs["executor"] == ExecutorConfig()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--token-budget", "0"], "--token-budget must be at least 1, got 0"),
+        (["--max-decode-sequences", "0"], "--max-decode-sequences must be at least 1, got 0"),
+        (["--min-prefill-chunk", "-3"], "--min-prefill-chunk must be at least 1, got -3"),
+        (["--num-cells", "1"], "--num-cells must be at least 2"),
+        (["--kv-memory-fraction", "1.5"], "kv_memory_fraction must be in (0, 0.95]"),
+        (["--kv-memory-fraction", "0"], "kv_memory_fraction must be in (0, 0.95]"),
+    ],
+)
+def test_serve_bad_values_are_clear_errors(tiny_artifact, captured_configs, args, message):
+    result = serve(tiny_artifact, *args)
+    assert result.exit_code != 0
+    assert message in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output and not captured_configs  # refused before loading
+
+
+def bench(artifact, tmp_path, *args: str) -> dict:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", str(artifact), "--mode", "requests", "--requests", "3",
+                                      "--prompt-tokens", "12", "--max-new-tokens", "3", "--json", str(out), *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def test_bench_flags_reach_the_scheduler_and_the_pool(tiny_artifact, tmp_path):
+    doc = bench(tiny_artifact, tmp_path, *BUDGET_FLAGS, "--num-cells", "900")
+    assert doc["step_budget"] == {"token_budget": 40, "max_decode_sequences": 3, "min_prefill_chunk": 5}
+    assert doc["num_cells"] == 900
+    assert doc["num_steps"] > 0 and doc["mean_step_width"] <= 40
+
+
+def test_bench_flags_reach_the_configs(tiny_artifact, captured_configs):
+    result = CliRunner().invoke(app, ["bench", str(tiny_artifact), "--mode", "requests", *BUDGET_FLAGS,
+                                      "--num-cells", "900", "--kv-memory-fraction", "0.3"])
+    assert "stopped by the test" in result.output, result.output
+    runner, executor = captured_configs["runner"], captured_configs["executor"]
+    assert (runner.token_budget, runner.max_decode_sequences, runner.min_prefill_chunk) == (40, 3, 5)
+    assert (executor.num_cells, executor.kv_memory_fraction) == (900, 0.3)
+
+
+def test_bench_defaults_are_the_runners(tiny_artifact, tmp_path):
+    doc = bench(tiny_artifact, tmp_path)
+    runner = open_runner(tiny_artifact, device="cpu")  # RunnerConfig() and ExecutorConfig() as they are
+    try:
+        budget = runner.scheduler.config
+        assert doc["step_budget"] == {"token_budget": budget.token_budget,
+                                      "max_decode_sequences": budget.max_decode_sequences,
+                                      "min_prefill_chunk": budget.min_prefill_chunk}
+        assert doc["num_cells"] == runner.executor.memory.num_cells
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--token-budget", "0"], "--token-budget must be at least 1, got 0"),
+        (["--kv-memory-fraction", "2"], "kv_memory_fraction must be in (0, 0.95]"),
+    ],
+)
+def test_bench_bad_values_are_clear_errors(tiny_artifact, captured_configs, args, message):
+    result = CliRunner().invoke(app, ["bench", str(tiny_artifact), "--mode", "requests", *args])
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "Traceback" not in result.output and not captured_configs
+
+
+def test_load_line_states_the_step_budget(tiny_artifact):
+    runner = open_runner(tiny_artifact, device="cpu", executor_config=ExecutorConfig(num_cells=900),
+                         runner_config=RunnerConfig(token_budget=40, max_decode_sequences=3, min_prefill_chunk=5))
+    try:
+        line = describe_load(runner)
+    finally:
+        runner.close()
+    assert "(900 cells)" in line
+    assert "steps of up to 40 tokens with up to 3 decodes, prefill chunks of 5 tokens or more" in line
+
+
+@pytest.mark.parametrize("command", ["bench", "serve-artifact"])
+def test_help_says_the_runner_defaults(command):
+    params = {p.name: p for p in typer.main.get_command(app).commands[command].params}
+    for name in ("token_budget", "max_decode_sequences", "min_prefill_chunk"):
+        assert params[name].default is None  # the runner's default applies, none of the CLI's own
+    helps = {name: " ".join(params[name].help.split()) for name in params}
+    assert f"{DEFAULT_TOKEN_BUDGET:,}" in helps["token_budget"]
+    assert "the token budget" in helps["max_decode_sequences"]
+    assert "the artifact's" in helps["min_prefill_chunk"]
+    assert params["num_cells"].default is None
