@@ -20,6 +20,7 @@ import torch._inductor
 from pt2serve.export.methods import MethodSpec, trace_forward, trace_sampler
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.model import Transformer
+from pt2serve.model.quant import QuantScheme
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class CompileJob:
     device: str
     max_step_tokens: int
     max_cells: int
+    quantize: QuantScheme | None = None
 
 
 def inductor_options() -> dict:
@@ -50,9 +52,10 @@ def _init_worker(threads_per_worker: int) -> None:
 
 
 @functools.cache
-def _worker_model(checkpoint: str | None, preset: str | None, dtype: torch.dtype, device: str) -> Transformer:
-    _config, model, _tokenizer = load_model(checkpoint, preset, dtype, device)
-    return model.eval()
+def _worker_model(
+    checkpoint: str | None, preset: str | None, dtype: torch.dtype, device: str, quantize: QuantScheme | None
+) -> Transformer:
+    return load_model(checkpoint, preset, dtype, device, quantize).model.eval()
 
 
 def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[str, list]:
@@ -66,7 +69,7 @@ def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[s
 
 def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, list]:
     if model is None:
-        model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device)
+        model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.quantize)
     if job.spec.name.startswith("forward"):
         program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)
     else:

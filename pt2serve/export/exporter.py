@@ -19,6 +19,7 @@ from pt2serve.export.toolchain import libstdcxx_mismatch, warn_about
 from pt2serve.export.package import weight_entries, weights_hash, write_package
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.model import Transformer
+from pt2serve.model.quant import describe_quantization
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,13 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     if mismatch:
         warn_about(mismatch)
     checkpoint = str(options.checkpoint) if options.checkpoint is not None else None
-    config, model, tokenizer = load_model(checkpoint, options.preset, options.torch_dtype, options.device)
-    model.eval()
+    loaded = load_model(checkpoint, options.preset, options.torch_dtype, options.device, options.quant_scheme)
+    config, model, tokenizer = loaded.config, loaded.model, loaded.tokenizer
     max_context = options.validate_for_model(config.max_position_embeddings)
     specs = method_specs(options.forward_sizes, lambda width: options.entries_for(width, max_context))
     jobs = [
         CompileJob(spec, checkpoint, options.preset, options.torch_dtype, options.device,
-                   options.max_step_tokens, options.max_cells)
+                   options.max_step_tokens, options.max_cells, options.quant_scheme)
         for spec in specs
     ]
     internal = {spec.name: internal_model_name(i) for i, spec in enumerate(specs)}
@@ -63,6 +64,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     weights = model_weights(model)
     metadata = build_metadata(options, config.to_dict(), max_context, specs, internal, weights, tokenizer)
     metadata["built_with"]["libstdcxx_mismatch"] = mismatch
+    metadata["quantization"] = describe_quantization(model, loaded.quantization_method)
     write_package(options.output, aoti_files, weights, metadata, tokenizer.tokenizer_json if tokenizer else None)
     return ExportSummary(
         methods=tuple(spec.name for spec in specs),
