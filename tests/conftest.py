@@ -9,11 +9,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
-from pt2serve.export.exporter import export
-from pt2serve.export.options import ExportOptions
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU). The flag is read when Triton
+# is imported (by anything: torch's compiler imports it too), so it is set before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from pt2serve.export.exporter import export  # noqa: E402
+from pt2serve.export.options import ExportOptions  # noqa: E402
 
 # Small enough to export quickly on 2 cores, wide enough for every width test (1..65, 96, 97, > max).
 TEST_MAX_CONTEXT = 256

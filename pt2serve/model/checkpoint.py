@@ -203,6 +203,11 @@ def load_weights(model: Transformer, files: list[Path], skipped: set[str] = froz
                 if key in skipped or _is_skipped(key, cfg):
                     continue
                 destination = layout.get(key)
+                if destination is None and key.endswith((".qweight", ".qzeros", ".g_idx")):
+                    raise Pt2ServeError(
+                        f"{file}: tensor {key!r} belongs to a quantized layer, but config.json has no "
+                        "quantization_config (gptq or awq) saying how it is packed"
+                    )
                 if destination is None:
                     raise Pt2ServeError(
                         f"{file}: unexpected tensor {key!r}: the {cfg.architecture} model described by config.json "
