@@ -6,6 +6,7 @@ after changing model or export code).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -40,24 +41,25 @@ def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
     )
 
 
-def _exported(preset: str, tmp_path_factory) -> Path:
+def exported(preset: str, tmp_path_factory, label: str | None = None, **overrides) -> Path:
+    """The preset exported with the test options (and `overrides`), once per run, or once if kept."""
     keep = os.environ.get("PT2SERVE_TEST_ARTIFACTS")
     folder = Path(keep) if keep else tmp_path_factory.mktemp("artifacts")
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{preset}.pt2"
+    path = folder / f"{label or preset}.pt2"
     if not path.exists():
-        export(export_options_for_tests(preset, path), show_progress=False)
+        export(dataclasses.replace(export_options_for_tests(preset, path), **overrides), show_progress=False)
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory) -> Path:
-    return _exported("tiny", tmp_path_factory)
+    return exported("tiny", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def toy_artifact(tmp_path_factory) -> Path:
-    return _exported("toy-greedy", tmp_path_factory)
+    return exported("toy-greedy", tmp_path_factory)
 
 
 def pytest_collection_modifyitems(config, items):

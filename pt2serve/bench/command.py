@@ -26,13 +26,19 @@ _HELP = """Benchmark an artifact: throughput per step width (sweep) or latency u
 - E2E = end - submit time (end: the last token's arrival)
 - output tok/s = all output tokens / (last end - first submit); p50/p90/p99 of each latency
 
+--mode quality --reference REF.pt2: the artifact (e.g. quantized) against REF (e.g. its bf16 export) on --requests prompts of --prompt-tokens random token ids, then REF's greedy continuation of --max-new-tokens, fed token by token to both:
+
+- top-1 agreement = fraction of those positions where both artifacts' highest logit is the same token
+- KL = KL(REF || artifact) of the next-token distributions, in nats: mean and max over the positions
+
 --json writes every number with the machine, versions, artifact metadata and flags; --plot writes a PNG.
 """
 
 
 def bench_command(
     artifact: Optional[Path] = typer.Argument(None, help="A .pt2 written by pt2serve export (optional with --url)."),
-    mode: str = typer.Option("sweep", help="sweep or requests."),
+    mode: str = typer.Option("sweep", help="sweep, requests or quality."),
+    reference: Optional[Path] = typer.Option(None, help="quality: the artifact to compare against (e.g. the bf16 export)."),
     tokens: Optional[str] = typer.Option(
         None, help="sweep: step widths T, comma-separated (default: 1,2,4,... up to min(4096, max_step_tokens))."
     ),
@@ -45,8 +51,8 @@ def bench_command(
     prompt_tokens: Optional[int] = typer.Option(
         None, help="Prompt length: sweep's decoding requests (default 8); requests mode (default 128)."
     ),
-    requests: int = typer.Option(32, help="requests: how many."),
-    max_new_tokens: int = typer.Option(64, help="requests: output tokens per request."),
+    requests: int = typer.Option(32, help="requests: how many; quality: how many prompts."),
+    max_new_tokens: int = typer.Option(64, help="requests: output tokens per request; quality: positions per prompt."),
     stagger_ms: Optional[float] = typer.Option(None, help="requests: fixed gap between arrivals (default 0)."),
     request_rate: Optional[float] = typer.Option(None, help="requests: Poisson arrivals at this rate (req/s)."),
     seed: int = typer.Option(0, help="Seed for prompts and arrivals."),
@@ -80,7 +86,7 @@ def locals_without(values: dict, *names: str) -> dict:
 
 
 def _run(
-    artifact, mode, tokens, warmup, iters, decode_cap, prefill_chunk, prompt_tokens, requests, max_new_tokens,
+    artifact, mode, reference, tokens, warmup, iters, decode_cap, prefill_chunk, prompt_tokens, requests, max_new_tokens,
     stagger_ms, request_rate, seed, token_budget, url, model, device, num_cells, no_cuda_graphs, timeout,
     eager_peer, json_path, plot,
 ) -> None:
@@ -93,7 +99,7 @@ def _run(
     from pt2serve.runtime.executor import ExecutorConfig
 
     flags = {
-        "artifact": artifact, "mode": mode, "tokens": tokens, "warmup": warmup, "iters": iters,
+        "artifact": artifact, "mode": mode, "reference": reference, "tokens": tokens, "warmup": warmup, "iters": iters,
         "decode_cap": decode_cap, "prefill_chunk": prefill_chunk, "prompt_tokens": prompt_tokens,
         "requests": requests, "max_new_tokens": max_new_tokens, "stagger_ms": stagger_ms,
         "request_rate": request_rate, "seed": seed, "token_budget": token_budget, "url": url, "model": model,
@@ -104,13 +110,17 @@ def _run(
         raise Pt2ServeError(f"unknown --mode {mode!r}: choose {' or '.join(MODES)}")
     wrong_mode = {
         "sweep": {"--stagger-ms": stagger_ms, "--request-rate": request_rate, "--url": url, "--model": model,
-                  "--token-budget": token_budget},
-        "requests": {"--tokens": tokens, "--prefill-chunk": prefill_chunk},
+                  "--token-budget": token_budget, "--reference": reference},
+        "requests": {"--tokens": tokens, "--prefill-chunk": prefill_chunk, "--reference": reference},
+        "quality": {"--tokens": tokens, "--prefill-chunk": prefill_chunk, "--stagger-ms": stagger_ms,
+                    "--request-rate": request_rate, "--url": url, "--model": model, "--token-budget": token_budget,
+                    "--plot": plot},
     }[mode]
     given = [name for name, value in wrong_mode.items() if value is not None]
     if given:
-        other = "requests" if mode == "sweep" else "sweep"
-        raise Pt2ServeError(f"{', '.join(given)} only apply to --mode {other}")
+        raise Pt2ServeError(f"{', '.join(given)} do not apply to --mode {mode}")
+    if mode == "quality" and (artifact is None or reference is None):
+        raise Pt2ServeError("--mode quality compares two artifacts: give PATH.pt2 and --reference REF.pt2")
     if stagger_ms is not None and request_rate is not None:
         raise Pt2ServeError("give --stagger-ms or --request-rate, not both")
     if artifact is None and url is None:
@@ -144,6 +154,18 @@ def _run(
         document = report.sweep_document(result, str(artifact), raw, flags)
         if plot is not None:
             report.plot_sweep(result, plot, title)
+    elif mode == "quality":
+        from pt2serve.bench.quality import QualityOptions, run_quality
+
+        read_metadata(reference)  # a missing or bad reference fails before anything loads
+        options = QualityOptions(
+            prompts=requests, prompt_tokens=prompt_tokens if prompt_tokens is not None else QualityOptions.prompt_tokens,
+            max_new_tokens=max_new_tokens, seed=seed,
+        )
+        with StatusLine() as status:
+            result = run_quality(artifact, reference, options, device=device, progress=status)
+        console.print(report.quality_table(result, f"pt2serve bench quality: {name} against {reference.name}"))
+        document = report.quality_document(result, str(artifact), raw, flags)
     else:
         from pt2serve.bench.requests_mode import run_requests
 
