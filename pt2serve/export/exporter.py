@@ -49,12 +49,14 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     ]
     internal = {spec.name: internal_model_name(i) for i, spec in enumerate(specs)}
     aoti_files: dict[str, list] = {}
-    num_workers = options.num_jobs(weight_bytes(model))
+    # Each worker builds its own model, in float before it quantizes one: budget for the larger of the two.
+    worker_bytes = max(weight_bytes(model), config.weight_count * options.torch_dtype.itemsize)
+    num_workers = options.num_jobs(worker_bytes)
     if num_workers > 1 and options.backend == "cuda":
         # Workers build their own copies; the parent's only waits to be packaged, so park it on the host.
         model = model.cpu()
         torch.cuda.empty_cache()
-        num_workers = options.num_jobs(weight_bytes(model))
+        num_workers = options.num_jobs(worker_bytes)
     progress = tqdm(total=len(jobs), desc="compiling methods", unit="method", disable=not show_progress)
     with progress:
         for name, files in compile_all(jobs, num_workers, model):
