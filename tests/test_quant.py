@@ -19,7 +19,14 @@ from pt2serve.kernels.quant_linear import dequantize, pack, reference_quant_line
 from pt2serve.model.checkpoint import load_checkpoint, load_model
 from pt2serve.model.eager import EagerSequence, greedy_generate
 from pt2serve.model.presets import build_preset_model, toy_greedy_continuation
-from pt2serve.model.quant import QuantScheme, QuantizedEmbedding, QuantizedLinear, quantize_model, quantize_weight
+from pt2serve.model.quant import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantScheme,
+    describe_quantization,
+    quantize_model,
+    quantize_weight,
+)
 
 # --------------------------------------------------------------------------------------------- the format
 
@@ -100,6 +107,8 @@ def test_toy_greedy_keeps_its_designed_tokens(scheme):
     quantize_model(model, scheme)
     assert isinstance(model.embed_tokens, QuantizedEmbedding) == scheme.embedding
     assert isinstance(model.lm_head, QuantizedLinear) == scheme.lm_head
+    # toy-greedy's MLP input is 128 wide: a group of 128 is its whole row, and still recorded as 128.
+    assert describe_quantization(model, "rtn")["group_size"] == scheme.group_size
     for prompt in ([256, 5, 9], [1, 2, 3, 200]):
         assert greedy_generate(model, prompt, 12) == toy_greedy_continuation(prompt, 12)
 

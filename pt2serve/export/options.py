@@ -103,7 +103,8 @@ class ExportOptions:
             raise Pt2ServeError(f"--jobs must be at least 1, got {self.jobs}")
         if self.quantize is None and (self.group_size is not None or self.quantize_lm_head or self.quantize_embedding):
             raise Pt2ServeError("--group-size, --quantize-lm-head and --quantize-embedding need --quantize int8|int4")
-        _ = self.quant_scheme  # checks --quantize and --group-size
+        if self.quantize is not None:
+            QuantScheme.from_flags(self.quantize, self.group_size, False, False)  # raises on a bad value
         if self.graph_entries < 1:
             raise Pt2ServeError(f"--graph-entries must be at least 1, got {self.graph_entries}")
         if self.min_prefill_chunk < 1:

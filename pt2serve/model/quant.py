@@ -81,8 +81,9 @@ class _PackedRows(nn.Module):
         if in_features % values_per_byte(fmt.bits):
             raise Pt2ServeError(f"{fmt.bits}-bit packing needs an even number of inputs, got {in_features}")
         self.in_features, self.out_features = in_features, out_features
+        self.format = fmt
         self.bits = fmt.bits
-        self.group_size = fmt.group_size or in_features
+        self.group_size = fmt.group_size or in_features  # as the operator takes it
         num_groups = _num_groups(in_features, self.group_size)
         packed = in_features // values_per_byte(fmt.bits)
         self.register_buffer("qweight", torch.empty(out_features, packed, dtype=torch.uint8))
@@ -245,7 +246,7 @@ def describe_quantization(model: nn.Module, method: str) -> dict[str, Any] | Non
     if not modules:
         return None
     bits = {m.bits for m in modules.values()}
-    group_sizes = {None if m.group_size == m.in_features else m.group_size for m in modules.values()}
+    group_sizes = {m.format.group_size for m in modules.values()}
     if len(bits) != 1 or len(group_sizes) != 1:
         raise Pt2ServeError(f"layers quantized with different bits or group sizes ({sorted(bits)}, "
                             f"{sorted(group_sizes, key=str)}) are not supported")
