@@ -67,6 +67,18 @@ def export_command(
     ),
     jobs: Optional[int] = typer.Option(None, help="Parallel compile workers (default: one per core, at most 8; fewer when GPU memory is short)."),
     device_index: int = typer.Option(0, help="GPU to build on."),
+    quantize: Optional[str] = typer.Option(
+        None, help="Weight-only quantization of the linear layers: int8 (symmetric) or int4 (with zero points)."
+    ),
+    group_size: Optional[int] = typer.Option(
+        None, help="Inputs sharing one scale with --quantize (default: 128 for int4, a whole row for int8)."
+    ),
+    quantize_lm_head: bool = typer.Option(
+        False, "--quantize-lm-head", help="Quantize the LM head too (with tied embeddings: the shared matrix)."
+    ),
+    quantize_embedding: bool = typer.Option(
+        False, "--quantize-embedding", help="Quantize the input embedding too (with tied embeddings: the shared matrix)."
+    ),
 ) -> None:
     """Trace a model and compile it into one multi-method .pt2 package."""
     from pt2serve.export.exporter import export
@@ -81,7 +93,8 @@ def export_command(
         backend=backend, output=output, checkpoint=checkpoint, preset=preset, dtype=dtype, attention=attention,
         forward_sizes=parse_sizes(forward_sizes), max_step_tokens=max_step_tokens, max_cells=max_cells,
         max_context=max_context, graph_entries=graph_entries, min_prefill_chunk=min_prefill_chunk, jobs=jobs,
-        device_index=device_index,
+        device_index=device_index, quantize=quantize, group_size=group_size, quantize_lm_head=quantize_lm_head,
+        quantize_embedding=quantize_embedding,
     )
     try:
         summary = export(options)
@@ -127,6 +140,7 @@ def inspect_command(
         ("min prefill chunk", meta["min_prefill_chunk"]),
         ("methods", ", ".join(meta["methods"])),
         ("weights", f"{len(meta['weights'])} tensors"),
+        ("quantization", describe_quantization_record(meta.get("quantization"))),
         ("tokenizer", "yes" if meta.get("tokenizer") else "no (token ids only)"),
         ("built with", f"torch {built['torch']}, cuda {built['cuda']}, {built.get('gpu_arch') or 'cpu'}"),
         ("content hash", meta["content_hash"]),
@@ -134,6 +148,25 @@ def inspect_command(
     for key, value in rows:
         table.add_row(key, str(value))
     console.print(table)
+
+
+def describe_quantization_record(record: dict | None) -> str:
+    """One line for `inspect`: e.g. 'int4 rtn, group 128, zero points; LM head and embedding not quantized'."""
+    if record is None:
+        return "none"
+    groups = f"group {record['group_size']}" if record["group_size"] else "one group per row"
+    zeros = "symmetric" if record["symmetric"] else "zero points"
+    order = ", act-order" if record["act_order"] else ""
+    quantized = [part for part in ("lm_head", "embedding") if record[part]]
+    plain = [part for part in ("lm_head", "embedding") if not record[part]]
+    names = {"lm_head": "LM head", "embedding": "embedding"}
+    extent = []
+    if quantized:
+        extent.append(" and ".join(names[p] for p in quantized) + " quantized")
+    if plain:
+        extent.append(" and ".join(names[p] for p in plain) + " not quantized")
+    return (f"int{record['bits']} {record['method']}, {groups}, {zeros}{order}; "
+            f"{record['num_layers_quantized']} layers; {'; '.join(extent)}")
 
 
 @app.command("generate")

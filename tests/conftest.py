@@ -6,19 +6,21 @@ after changing model or export code).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU). The flag is read when Triton
+# is imported (by anything: torch's compiler imports it too), so it is set before any test module loads.
 if not torch.cuda.is_available():
-    # Triton kernels run through its interpreter on the CPU; it is chosen when a kernel is defined, so this
-    # must be set before pt2serve.kernels is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from pt2serve.export.exporter import export  # noqa: E402
 from pt2serve.export.options import ExportOptions  # noqa: E402
@@ -42,24 +44,25 @@ def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
     )
 
 
-def _exported(preset: str, tmp_path_factory) -> Path:
+def exported(preset: str, tmp_path_factory, label: str | None = None, **overrides) -> Path:
+    """The preset exported with the test options (and `overrides`), once per run, or once if kept."""
     keep = os.environ.get("PT2SERVE_TEST_ARTIFACTS")
     folder = Path(keep) if keep else tmp_path_factory.mktemp("artifacts")
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{preset}.pt2"
+    path = folder / f"{label or preset}.pt2"
     if not path.exists():
-        export(export_options_for_tests(preset, path), show_progress=False)
+        export(dataclasses.replace(export_options_for_tests(preset, path), **overrides), show_progress=False)
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory) -> Path:
-    return _exported("tiny", tmp_path_factory)
+    return exported("tiny", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def toy_artifact(tmp_path_factory) -> Path:
-    return _exported("toy-greedy", tmp_path_factory)
+    return exported("toy-greedy", tmp_path_factory)
 
 
 @pytest.fixture()

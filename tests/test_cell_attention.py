@@ -188,8 +188,8 @@ def run_model(model, step, pools):
 
 @pytest.fixture(scope="module")
 def tiny_models():
-    _, masked, _ = load_model(None, "tiny", torch.float32, "cpu", AttentionImpl.MASKED)
-    _, kernel, _ = load_model(None, "tiny", torch.float32, "cpu", AttentionImpl.KERNEL)
+    masked = load_model(None, "tiny", torch.float32, "cpu", AttentionImpl.MASKED).model
+    kernel = load_model(None, "tiny", torch.float32, "cpu", AttentionImpl.KERNEL).model
     return masked, kernel
 
 
@@ -208,7 +208,7 @@ import sys, torch
 from pt2serve.export.methods import MethodSpec, trace_forward
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
-_, model, _ = load_model(None, "tiny", torch.float32, "cpu", AttentionImpl.KERNEL)
+model = load_model(None, "tiny", torch.float32, "cpu", AttentionImpl.KERNEL).model
 for spec in (MethodSpec("forward_64", 64, 300), MethodSpec("forward_others")):
     program, _ = trace_forward(model, spec, max_step_tokens=128, max_cells=512)
     torch.export.save(program, f"{sys.argv[1]}/{spec.name}.pt2")

@@ -272,8 +272,11 @@ def test_load_model_needs_exactly_one_source(saved):
 
 
 def test_load_model_dispatches(saved):
-    config, model, tokenizer = load_model(str(saved / "single"), None, torch.float32, "cpu")
+    loaded = load_model(str(saved / "single"), None, torch.float32, "cpu")
+    config, model, tokenizer = loaded.config, loaded.model, loaded.tokenizer
+    assert loaded.quantization_method is None
     assert config.architecture == "LlamaForCausalLM" and tokenizer is None
     assert model.embed_tokens.weight.shape == (300, 64)
-    config, model, tokenizer = load_model(None, "tiny", torch.float32, "cpu")
+    loaded = load_model(None, "tiny", torch.float32, "cpu")
+    config, tokenizer = loaded.config, loaded.tokenizer
     assert config.vocab_size == 258 and tokenizer is not None and tokenizer.bos_token_id == 256

@@ -39,13 +39,19 @@ _HELP = f"""Benchmark an artifact: throughput per step width (sweep) or latency 
 - goodput = requests with TTFT <= --ttft-target-ms and TPOT <= --tpot-target-ms (none for one-token answers), per second of the same time. The default targets, {DEFAULT_TTFT_TARGET_MS:g} ms and {DEFAULT_TPOT_TARGET_MS:g} ms, are MLPerf Inference's server-scenario limits for Llama 3.1 8B: a reply starts within 2 s and then streams at 10 tokens/s or faster, quicker than people read (MLPerf holds its p99 to them; goodput counts each request).
 - in-process: steps = runner steps the workload took, mean width = their tokens / steps; the step budget (--token-budget, --max-decode-sequences, --min-prefill-chunk) is the runner's unless given
 
+--mode quality --reference REF.pt2: the artifact (e.g. quantized) against REF (e.g. its bf16 export) on --requests prompts of --prompt-tokens random token ids, then REF's greedy continuation of --max-new-tokens, fed token by token to both:
+
+- top-1 agreement = fraction of those positions where both artifacts' highest logit is the same token
+- KL = KL(REF || artifact) of the next-token distributions, in nats: mean and max over the positions
+
 --json writes every number with the machine, versions, artifact metadata and flags; --plot writes a PNG.
 """
 
 
 def bench_command(
     artifact: Optional[Path] = typer.Argument(None, help="A .pt2 written by pt2serve export (optional with --url)."),
-    mode: str = typer.Option("sweep", help="sweep or requests."),
+    mode: str = typer.Option("sweep", help="sweep, requests or quality."),
+    reference: Optional[Path] = typer.Option(None, help="quality: the artifact to compare against (e.g. the bf16 export)."),
     tokens: Optional[str] = typer.Option(
         None, help="sweep: step widths T, comma-separated (default: 1,2,4,... up to min(4096, max_step_tokens))."
     ),
@@ -59,9 +65,9 @@ def bench_command(
         None, help="sweep: the context the decoding requests decode at, their prompt length (default 8); "
         "e.g. 4096 measures long-context decode, the KV read counted in the limit."
     ),
-    prompt_tokens: Optional[int] = typer.Option(None, help="requests: prompt length (default 128)."),
-    requests: int = typer.Option(32, help="requests: how many."),
-    max_new_tokens: int = typer.Option(64, help="requests: output tokens per request."),
+    prompt_tokens: Optional[int] = typer.Option(None, help="requests and quality: prompt length (default 128)."),
+    requests: int = typer.Option(32, help="requests: how many; quality: how many prompts."),
+    max_new_tokens: int = typer.Option(64, help="requests: output tokens per request; quality: positions per prompt."),
     stagger_ms: Optional[float] = typer.Option(None, help="requests: fixed gap between arrivals (default 0)."),
     request_rate: Optional[float] = typer.Option(None, help="requests: Poisson arrivals at this rate (req/s)."),
     request_rates: Optional[str] = typer.Option(
@@ -107,7 +113,7 @@ def locals_without(values: dict, *names: str) -> dict:
 
 
 def _run(
-    artifact, mode, tokens, warmup, iters, decode_cap, prefill_chunk, context, prompt_tokens, requests,
+    artifact, mode, reference, tokens, warmup, iters, decode_cap, prefill_chunk, context, prompt_tokens, requests,
     max_new_tokens, stagger_ms, request_rate, request_rates, ttft_target_ms, tpot_target_ms, seed, token_budget,
     max_decode_sequences, min_prefill_chunk, url, model, device, num_cells, kv_memory_fraction, no_cuda_graphs,
     timeout, eager_peer, json_path, plot,
@@ -130,13 +136,19 @@ def _run(
     wrong_mode = {
         "sweep": {"--stagger-ms": stagger_ms, "--request-rate": request_rate, "--request-rates": request_rates,
                   "--ttft-target-ms": ttft_target_ms, "--tpot-target-ms": tpot_target_ms, "--url": url,
-                  "--model": model, "--prompt-tokens": prompt_tokens, **runner_flags},
-        "requests": {"--tokens": tokens, "--prefill-chunk": prefill_chunk, "--context": context},
+                  "--model": model, "--prompt-tokens": prompt_tokens, "--reference": reference, **runner_flags},
+        "requests": {"--tokens": tokens, "--prefill-chunk": prefill_chunk, "--context": context,
+                     "--reference": reference},
+        "quality": {"--tokens": tokens, "--prefill-chunk": prefill_chunk, "--context": context,
+                    "--stagger-ms": stagger_ms, "--request-rate": request_rate, "--request-rates": request_rates,
+                    "--ttft-target-ms": ttft_target_ms, "--tpot-target-ms": tpot_target_ms, "--url": url,
+                    "--model": model, "--plot": plot, **runner_flags},
     }[mode]
     given = [name for name, value in wrong_mode.items() if value is not None]
     if given:
-        other = "requests" if mode == "sweep" else "sweep"
-        raise Pt2ServeError(f"{', '.join(given)} only apply to --mode {other}")
+        raise Pt2ServeError(f"{', '.join(given)} do not apply to --mode {mode}")
+    if mode == "quality" and (artifact is None or reference is None):
+        raise Pt2ServeError("--mode quality compares two artifacts: give PATH.pt2 and --reference REF.pt2")
     if url is not None:
         in_process = {**runner_flags, "--num-cells": num_cells, "--kv-memory-fraction": kv_memory_fraction,
                       "--device": device, "--no-cuda-graphs": no_cuda_graphs or None}
@@ -179,6 +191,18 @@ def _run(
         document = report.sweep_document(result, str(artifact), raw, flags)
         if plot is not None:
             report.plot_sweep(result, plot, title)
+    elif mode == "quality":
+        from pt2serve.bench.quality import QualityOptions, run_quality
+
+        read_metadata(reference)  # a missing or bad reference fails before anything loads
+        options = QualityOptions(
+            prompts=requests, prompt_tokens=prompt_tokens if prompt_tokens is not None else QualityOptions.prompt_tokens,
+            max_new_tokens=max_new_tokens, seed=seed,
+        )
+        with StatusLine() as status:
+            result = run_quality(artifact, reference, options, device=device, progress=status)
+        console.print(report.quality_table(result, f"pt2serve bench quality: {name} against {reference.name}"))
+        document = report.quality_document(result, str(artifact), raw, flags)
     else:
         from pt2serve.runtime.runner import RunnerConfig
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pt2serve.errors import Pt2ServeError
 
-MODES = ("sweep", "requests")
+MODES = ("sweep", "requests", "quality")
 MAX_DEFAULT_TOKENS = 4096
 DEFAULT_BACKLOG_PROMPT = 256
 # Goodput's default latency targets: MLPerf Inference's server scenario for Llama 3.1 8B (loadgen/mlperf.conf):

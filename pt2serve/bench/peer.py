@@ -24,13 +24,17 @@ class EagerPeer:
     def __init__(self, executor: Executor) -> None:
         from pt2serve.model.config import ModelConfig
         from pt2serve.model.model import Transformer
+        from pt2serve.model.quant import formats_from_weights, install_quantized_modules
 
         artifact = executor.artifact
         with torch.device("meta"):
             model = Transformer(ModelConfig.from_dict(artifact.metadata.raw["model_config"]))
+        quantization = artifact.metadata.raw.get("quantization")
+        if quantization is not None:
+            install_quantized_modules(model, formats_from_weights(artifact.weights, quantization))
         # The artifact's device weights themselves (assign: no copy); the rotary table is a buffer.
-        parameters = {name: artifact.weights[name] for name, _ in model.named_parameters()}
-        model.load_state_dict(parameters, assign=True)
+        state = {name: artifact.weights[name] for name in model.state_dict()}
+        model.load_state_dict(state, assign=True)
         model.inv_freq = artifact.weights["inv_freq"]
         self.model = model.eval()
         self.device = executor.device

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from rich.console import Console
 from rich.live import Live
 from rich.text import Text
+
+
+Progress = Callable[[str], None]  # told what a benchmark is doing now
 
 
 class StatusLine:

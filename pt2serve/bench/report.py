@@ -11,6 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from pt2serve.bench.environment import artifact_summary, machine_info, versions
+from pt2serve.bench.quality import QualityResult
 from pt2serve.bench.rates import RateSweepResult
 from pt2serve.bench.requests_mode import RequestsResult
 from pt2serve.bench.sweep import SweepResult, SweepRow
@@ -154,6 +155,22 @@ def _run(result: RequestsResult) -> dict[str, Any]:
         "summary": result.summary,
         "requests": [r.to_dict() for r in result.requests],
     }
+
+
+def quality_table(result: QualityResult, title: str | None = None) -> Table:
+    caption = (f"{result.positions} generated positions (the reference's greedy continuation, fed to both); "
+               "KL(reference || artifact) of next-token distributions, nats")
+    table = Table(title=title or "pt2serve bench: quality", caption=caption)
+    for name in ("positions", "top-1 agreement", "mean KL", "max KL", "prompts agreeing throughout"):
+        table.add_column(name, justify="right")
+    table.add_row(str(result.positions), f"{result.top1_agreement * 100:.2f}%", f"{result.mean_kl:.3g}",
+                  f"{result.max_kl:.3g}", str(result.prompts_fully_agreeing))
+    return table
+
+
+def quality_document(result: QualityResult, artifact: str, raw: dict[str, Any] | None,
+                     flags: dict[str, Any]) -> dict[str, Any]:
+    return {**_header("quality", artifact, raw, result.device, flags), "result": result.to_dict()}
 
 
 def _header(mode: str, artifact: str | None, raw: dict[str, Any] | None, device: str | None,

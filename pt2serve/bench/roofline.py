@@ -24,7 +24,7 @@ import torch
 
 from pt2serve.bench.timing import StepShape
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2, "uint8": 1, "int64": 8}
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                  "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -140,6 +140,10 @@ class ModelCost:
         cfg = raw["model_config"]
         hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
         tied = bool(cfg.get("tie_word_embeddings", False))
+        quantization = raw.get("quantization")
+        # A quantized layer's parameters are its packed values (several per byte); its scales and zeros are
+        # bytes to read but not parameters.
+        values_per_byte = 8 // quantization["bits"] if quantization else 1
         total = embed = matmul = 0
         for entry in raw["weights"]:
             numel = 1
@@ -150,8 +154,11 @@ class ModelCost:
             is_embedding = "embed_tokens" in entry["name"]
             if is_embedding:
                 embed += nbytes
+            if entry["name"].endswith((".scales", ".zeros")):
+                continue
             if len(entry["shape"]) == 2 and (tied or not is_embedding):
-                matmul += numel  # linear layers, the output head, and the embedding when it is the head
+                # linear layers, the output head, and the embedding when it is the head
+                matmul += numel * (values_per_byte if entry["name"].endswith(".qweight") else 1)
         cache = raw["cache"]
         kv_cell = cache["num_layers"] * 2 * cache["num_kv_heads"] * cache["head_dim"] * _DTYPE_BYTES[cache["dtype"]]
         return cls(

@@ -21,6 +21,7 @@ from pt2serve.export.methods import MethodSpec, trace_forward, trace_sampler
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.model import Transformer
+from pt2serve.model.quant import QuantScheme
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class CompileJob:
     max_step_tokens: int
     max_cells: int
     attention: AttentionImpl
+    quantize: QuantScheme | None = None
 
 
 def inductor_options() -> dict:
@@ -53,10 +55,10 @@ def _init_worker(threads_per_worker: int) -> None:
 
 @functools.cache
 def _worker_model(
-    checkpoint: str | None, preset: str | None, dtype: torch.dtype, device: str, attention: AttentionImpl
+    checkpoint: str | None, preset: str | None, dtype: torch.dtype, device: str, attention: AttentionImpl,
+    quantize: QuantScheme | None,
 ) -> Transformer:
-    _config, model, _tokenizer = load_model(checkpoint, preset, dtype, device, attention)
-    return model.eval()
+    return load_model(checkpoint, preset, dtype, device, attention, quantize).model.eval()
 
 
 def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[str, list]:
@@ -70,7 +72,7 @@ def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[s
 
 def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, list]:
     if model is None:
-        model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.attention)
+        model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.attention, job.quantize)
     if job.spec.name.startswith("forward"):
         program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)
     else:

@@ -19,6 +19,7 @@ from pt2serve.export.toolchain import libstdcxx_mismatch, warn_about
 from pt2serve.export.package import weight_entries, weights_hash, write_package
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.model import Transformer
+from pt2serve.model.quant import describe_quantization
 
 
 @dataclass(frozen=True)
@@ -37,25 +38,27 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     if mismatch:
         warn_about(mismatch)
     checkpoint = str(options.checkpoint) if options.checkpoint is not None else None
-    config, model, tokenizer = load_model(
-        checkpoint, options.preset, options.torch_dtype, options.device, options.attention_impl
+    loaded = load_model(
+        checkpoint, options.preset, options.torch_dtype, options.device, options.attention_impl, options.quant_scheme
     )
-    model.eval()
+    config, model, tokenizer = loaded.config, loaded.model, loaded.tokenizer
     max_context = options.validate_for_model(config.max_position_embeddings)
     specs = method_specs(options.forward_sizes, lambda width: options.entries_for(width, max_context))
     jobs = [
         CompileJob(spec, checkpoint, options.preset, options.torch_dtype, options.device,
-                   options.max_step_tokens, options.max_cells, options.attention_impl)
+                   options.max_step_tokens, options.max_cells, options.attention_impl, options.quant_scheme)
         for spec in specs
     ]
     internal = {spec.name: internal_model_name(i) for i, spec in enumerate(specs)}
     aoti_files: dict[str, list] = {}
-    num_workers = options.num_jobs(weight_bytes(model))
+    # Each worker builds its own model, in float before it quantizes one: budget for the larger of the two.
+    worker_bytes = max(weight_bytes(model), config.weight_count * options.torch_dtype.itemsize)
+    num_workers = options.num_jobs(worker_bytes)
     if num_workers > 1 and options.backend == "cuda":
         # Workers build their own copies; the parent's only waits to be packaged, so park it on the host.
         model = model.cpu()
         torch.cuda.empty_cache()
-        num_workers = options.num_jobs(weight_bytes(model))
+        num_workers = options.num_jobs(worker_bytes)
     progress = tqdm(total=len(jobs), desc="compiling methods", unit="method", disable=not show_progress)
     with progress:
         for name, files in compile_all(jobs, num_workers, model):
@@ -65,6 +68,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     weights = model_weights(model)
     metadata = build_metadata(options, config.to_dict(), max_context, specs, internal, weights, tokenizer)
     metadata["built_with"]["libstdcxx_mismatch"] = mismatch
+    metadata["quantization"] = describe_quantization(model, loaded.quantization_method)
     write_package(options.output, aoti_files, weights, metadata, tokenizer.tokenizer_json if tokenizer else None)
     return ExportSummary(
         methods=tuple(spec.name for spec in specs),

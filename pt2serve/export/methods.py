@@ -48,7 +48,7 @@ def example_step(num_tokens: int, num_seqs: int, num_entries: int, num_cells: in
 def trace_forward(model: Transformer, spec: MethodSpec, max_step_tokens: int, max_cells: int):
     """torch.export one forward method; pools are inputs mutated in place."""
     cfg = model.config
-    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    device, dtype = model.norm.weight.device, model.norm.weight.dtype  # the embedding may be quantized
     static = spec.width is not None
     # forward_others takes up to max_step_tokens real tokens plus the one padding token the runtime adds.
     max_tokens = max_step_tokens + 1

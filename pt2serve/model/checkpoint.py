@@ -23,6 +23,14 @@ from pt2serve.errors import Pt2ServeError
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.config import ModelConfig
 from pt2serve.model.model import Transformer, rope_inv_freq, stacked_projections
+from pt2serve.model.quant import QuantScheme, quantize_model
+from pt2serve.model.quantized_checkpoint import (
+    CheckpointQuantization,
+    install_checkpoint_layers,
+    load_quantized_layers,
+    owned_keys,
+    read_quantization_config,
+)
 from pt2serve.tokenizer import TokenizerFiles, read_tokenizer_config
 
 WEIGHTS_FILE = "model.safetensors"
@@ -38,27 +46,50 @@ class Checkpoint:
     model: Transformer  # weights loaded, eval mode
     tokenizer: TokenizerFiles | None  # None when the directory has no tokenizer.json
     source: str  # the directory it came from
+    quantization: CheckpointQuantization | None = None  # a GPTQ or AWQ checkpoint's quantization_config
 
 
 def load_checkpoint(
     path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu", attention: AttentionImpl = AttentionImpl.MASKED
 ) -> Checkpoint:
-    """Load a Hugging Face checkpoint directory into a Transformer in `dtype` on `device`."""
+    """Load a Hugging Face checkpoint directory (float, GPTQ or AWQ) into a Transformer in `dtype` on `device`."""
     root = Path(path)
     if not root.is_dir():
         raise Pt2ServeError(f"checkpoint directory {root} does not exist (or is not a directory)")
     config = read_config(root / "config.json")
+    quantization = read_quantization_config(_read_json(root / "config.json"), str(root / "config.json"))
     files = weight_files(root)
 
     # Build without allocating, then allocate once in the target dtype and device and fill from the files.
     with torch.device("meta"):
         model = Transformer(config, attention)
+    quantized_layers, skipped = {}, set()
+    if quantization is not None:
+        keys = {key for file in files for key in _tensor_names(file)}
+        quantized_layers = install_checkpoint_layers(model, checkpoint_layout(model), keys, quantization)
+        skipped = owned_keys(quantized_layers, quantization)
     model = model.to(dtype).to_empty(device=device)
-    load_weights(model, files)
+    load_weights(model, files, skipped)
+    if quantization is not None:
+        load_quantized_layers(model, quantized_layers, files, quantization)
     # Not in checkpoints; kept in fp32 (to_empty left it uninitialised, .to(dtype) would have rounded it).
     model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
     model.eval()
-    return Checkpoint(config=config, model=model, tokenizer=read_tokenizer(root), source=str(root))
+    return Checkpoint(config=config, model=model, tokenizer=read_tokenizer(root), source=str(root),
+                      quantization=quantization)
+
+
+def _tensor_names(file: Path) -> list[str]:
+    with safe_open(str(file), framework="pt", device="cpu") as reader:
+        return list(reader.keys())
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    model: Transformer  # eval mode
+    tokenizer: TokenizerFiles | None
+    quantization_method: str | None  # "rtn" (quantized here), "gptq" or "awq" (the checkpoint's), None: float
 
 
 def load_model(
@@ -67,8 +98,9 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     attention: AttentionImpl = AttentionImpl.MASKED,
-) -> tuple[ModelConfig, Transformer, TokenizerFiles | None]:
-    """(config, model, tokenizer) from a checkpoint directory or a built-in preset; exactly one must be given."""
+    quantize: QuantScheme | None = None,
+) -> LoadedModel:
+    """The model of a checkpoint directory or a built-in preset (exactly one must be given), quantized as asked."""
     if (checkpoint is None) == (preset is None):
         given = "both" if checkpoint is not None else "neither"
         raise Pt2ServeError(
@@ -76,12 +108,21 @@ def load_model(
         )
     if checkpoint is not None:
         loaded = load_checkpoint(checkpoint, dtype, device, attention)
-        return loaded.config, loaded.model, loaded.tokenizer
-    # Imported here: presets build random weights and tokenizers this module otherwise has no use for.
-    from pt2serve.model.presets import build_preset_model, get_preset
+        config, model, tokenizer = loaded.config, loaded.model, loaded.tokenizer
+        method = loaded.quantization.method if loaded.quantization is not None else None
+    else:
+        # Imported here: presets build random weights and tokenizers this module otherwise has no use for.
+        from pt2serve.model.presets import build_preset_model, get_preset
 
-    found = get_preset(preset)
-    return found.config, build_preset_model(preset, dtype, device, attention).eval(), found.tokenizer
+        found = get_preset(preset)
+        config, tokenizer, method = found.config, found.tokenizer, None
+        model = build_preset_model(preset, dtype, device, attention).eval()
+    if quantize is not None:
+        if method is not None:
+            raise Pt2ServeError(f"the checkpoint is already {method}-quantized; export it without --quantize")
+        quantize_model(model, quantize)
+        method = "rtn"
+    return LoadedModel(config, model, tokenizer, method)
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -151,8 +192,11 @@ def checkpoint_layout(model: Transformer) -> dict[str, Destination]:
 
 
 @torch.no_grad()
-def load_weights(model: Transformer, files: list[Path]) -> None:
-    """Fill every parameter of `model` from the safetensors files, checking names and shapes."""
+def load_weights(model: Transformer, files: list[Path], skipped: set[str] = frozenset()) -> None:
+    """Fill every parameter of `model` from the safetensors files, checking names and shapes.
+
+    `skipped`: checkpoint tensors another loader reads (a quantized layer's).
+    """
     cfg = model.config
     params = dict(model.named_parameters())
     layout = checkpoint_layout(model)
@@ -160,9 +204,14 @@ def load_weights(model: Transformer, files: list[Path]) -> None:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as reader:
             for key in reader.keys():
-                if _is_skipped(key, cfg):
+                if key in skipped or _is_skipped(key, cfg):
                     continue
                 destination = layout.get(key)
+                if destination is None and key.endswith((".qweight", ".qzeros", ".g_idx")):
+                    raise Pt2ServeError(
+                        f"{file}: tensor {key!r} belongs to a quantized layer, but config.json has no "
+                        "quantization_config (gptq or awq) saying how it is packed"
+                    )
                 if destination is None:
                     raise Pt2ServeError(
                         f"{file}: unexpected tensor {key!r}: the {cfg.architecture} model described by config.json "
@@ -178,7 +227,8 @@ def load_weights(model: Transformer, files: list[Path]) -> None:
                     )
                 if kind not in FLOAT_DTYPES:
                     raise Pt2ServeError(
-                        f"{file}: tensor {key!r} is stored as {kind}; quantized checkpoints are not supported"
+                        f"{file}: tensor {key!r} is stored as {kind}; a quantized checkpoint needs a "
+                        "quantization_config in config.json (gptq or awq)"
                     )
                 rows = params[destination.name].narrow(0, destination.start, shape[0])
                 rows.copy_(reader.get_tensor(key))  # copy_ converts dtype and moves to the device

@@ -12,7 +12,7 @@ class EagerSequence:
 
     def __init__(self, model: Transformer, max_len: int) -> None:
         cfg = model.config
-        device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+        device, dtype = model.norm.weight.device, model.norm.weight.dtype  # the embedding may be quantized
         shape = (max_len, cfg.num_kv_heads, cfg.head_dim)
         self.model = model
         self.k_pools = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]

@@ -130,12 +130,21 @@ def stacked_projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ..
     }
 
 
+class Embedding(nn.Embedding):
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """The tied LM head: logits of x against every token's embedding."""
+        return F.linear(x, self.weight)
+
+
 class Transformer(nn.Module):
+    """The linear layers (and optionally the LM head and embedding) may be swapped for quantized ones of the
+    same interface by model/quant.py."""
+
     def __init__(self, cfg: ModelConfig, attention: AttentionImpl = AttentionImpl.MASKED) -> None:
         super().__init__()
         self.config = cfg
         self.attention = attention
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -166,5 +175,5 @@ class Transformer(nn.Module):
         for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
             x = layer(x, cos, sin, write_cells, attend, k_pool, v_pool)
         x = self.norm(x.index_select(0, logit_rows))
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        return logits.float()

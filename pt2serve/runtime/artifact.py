@@ -32,7 +32,9 @@ from pt2serve.contract import (
 )
 from pt2serve.errors import Pt2ServeError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Weights: floats, plus the packed integers, zero points (uint8) and input orders (int64) of quantized layers.
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8,
+           "int64": torch.int64}
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 
 

@@ -1,6 +1,6 @@
 """On a GPU: each compiled method against eager PyTorch on the same inputs, to find where they part.
 
-Usage: python scripts/device/method_check.py ARTIFACT.pt2 PRESET
+Usage: python scripts/device/method_check.py ARTIFACT.pt2 PRESET (exported from the preset, --quantize or not)
 Runs every forward method on a packed mixed step (three sequences with context, plus padding) with a
 copy of the pools, and the eager model on another copy; then `sample_argmax` and `sample` against
 their eager modules. Prints one row per method: max logit difference, pool difference, argmax agreement.
@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import torch
 
-from pt2serve.model.presets import build_preset_model
+from pt2serve.model.checkpoint import load_model
+from pt2serve.model.quant import QuantScheme
 from pt2serve.model.sampling import ArgmaxSampler, Sampler
 from pt2serve.runtime.artifact import load_artifact
 from pt2serve.runtime.cells import allocate_kv_pools
@@ -41,7 +42,10 @@ def main() -> None:
     artifact = load_artifact(path)
     meta = artifact.metadata
     device = artifact.device
-    model = build_preset_model(preset, meta.kv_dtype, device).eval()
+    record = meta.raw.get("quantization")  # a quantized export is compared with the same quantized model
+    scheme = None if record is None else QuantScheme(record["bits"], record["group_size"], record["lm_head"],
+                                                     record["embedding"])
+    model = load_model(None, preset, meta.kv_dtype, device, quantize=scheme).model
     cache = meta.cache
     rng = np.random.default_rng(0)
     print(f"{'method':>15} {'max |dlogit|':>12} {'max |dpool|':>11} {'argmax equal':>12}")
