@@ -352,11 +352,11 @@ def test_server_is_healthy_after_bad_requests(server, client):
 
 
 def test_engine_failure_is_an_error_without_details(server, client, runner, monkeypatch):
-    def broken_step(chunks):
+    def broken_launch(chunks):
         raise RuntimeError("device exploded at 0xdeadbeef")
 
     errors_before = metrics(server).get('pt2serve_requests_total{finish_reason="error"}', 0)
-    monkeypatch.setattr(runner.executor, "step", broken_step)
+    monkeypatch.setattr(runner.executor, "launch", broken_launch)
     response = httpx.post(f"{server}{COMPLETIONS}", json=OK)
     assert response.status_code == 500
     error = response.json()["error"]
@@ -395,13 +395,13 @@ LONG = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 100, "ig
 @pytest.fixture
 def slow_engine(runner, monkeypatch):
     """Each engine step takes at least 10 ms, so a long request is surely still running when the test acts."""
-    step = runner.executor.step
+    launch = runner.executor.launch
 
-    def slow_step(chunks):
+    def slow_launch(chunks):
         time.sleep(0.01)
-        return step(chunks)
+        return launch(chunks)
 
-    monkeypatch.setattr(runner.executor, "step", slow_step)
+    monkeypatch.setattr(runner.executor, "launch", slow_launch)
 
 
 def test_full_queue_answers_429(strict, slow_engine):

@@ -48,7 +48,8 @@ class StaticBuffers:
 class CapturedForward:
     """One static width: its buffers and, on CUDA with graphs on, its captured graph."""
 
-    def __init__(self, run, method: str, idle_step: np.ndarray, sizes: tuple[int, ...], pools, device, use_graph: bool):
+    def __init__(self, run, method: str, idle_step: np.ndarray, sizes: tuple[int, ...], pools, device,
+                 graph_pool=None):
         assert len(sizes) == len(FORWARD_INPUTS)
         self.method = method
         self.buffers = StaticBuffers.allocate(sizes, device)
@@ -57,13 +58,13 @@ class CapturedForward:
         self._pools = pools
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        if use_graph:
-            self._capture()
+        if graph_pool is not None:
+            self._capture(graph_pool)
 
     def _call(self) -> torch.Tensor:
         return self._run(self.method, [*self.buffers.inputs, *self._pools])[0]
 
-    def _capture(self) -> None:
+    def _capture(self, graph_pool) -> None:
         # The buffers hold an all-padding step (valid, writes only the scratch cell). Warm up on a side
         # stream so lazy initialisation is not captured.
         stream = torch.cuda.Stream()
@@ -73,7 +74,7 @@ class CapturedForward:
                 self._call()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=graph_pool):
             self.logits = self._call()
 
     @property
@@ -93,11 +94,18 @@ class CapturedForward:
 
 
 def capture_all(run, idle_steps: dict[str, MethodCall], pools, device, use_graph: bool) -> tuple[dict, float]:
-    """A CapturedForward per static method (from its all-padding step); returns them and the capture seconds."""
+    """A CapturedForward per static method (from its all-padding step); returns them and the capture seconds.
+
+    Every graph allocates from one memory pool, the widest captured first: one step's graph runs at a time
+    and its logits are consumed (in stream order) before the next replay, so the graphs can share memory and
+    all of them take about what the widest alone takes.
+    """
     started = time.perf_counter()
+    graph_pool = torch.cuda.graph_pool_handle() if use_graph else None
+    widest_first = sorted(idle_steps.items(), key=lambda item: -item[1].width)
     captured = {
-        name: CapturedForward(run, name, idle.host, idle.sizes, pools, device, use_graph)
-        for name, idle in idle_steps.items()
+        name: CapturedForward(run, name, idle.host, idle.sizes, pools, device, graph_pool)
+        for name, idle in widest_first
     }
     if device.type == "cuda":
         torch.cuda.synchronize(device)
