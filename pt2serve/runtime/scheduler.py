@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from pt2serve.runtime.cells import CellAllocator, CellTable
 from pt2serve.runtime.prefix_cache import PrefixCache
 from pt2serve.runtime.request import FinishReason, Request, RequestStatus
@@ -75,6 +77,7 @@ class Scheduler:
         self._running: list[int] = []  # admission order (last = first preempted)
         self._decode_turn = 0
         self.step = 0
+        self.num_preemptions = 0
 
     # -- queue ---------------------------------------------------------------------------------------
 
@@ -211,6 +214,7 @@ class Scheduler:
         """Free a running request's cells; it is recomputed (prompt and generated tokens) later."""
         self.allocator.free(request.cells.truncate(0))
         request.num_computed = 0
+        self.num_preemptions += 1
         self._running.remove(request.id)
         self._waiting.appendleft(request.id)
         request.status = RequestStatus.WAITING
@@ -288,3 +292,11 @@ class Scheduler:
         else:
             self.allocator.free(cells)
         return request
+
+    def num_leaked_cells(self) -> int:
+        """Cells in use that no request, session or prefix-cache entry holds: 0 unless a cell leaked.
+        O(cells held), so callers count it when idle."""
+        held = [r.cells.cells for r in self.requests.values()]
+        held += self.sessions.held_cells() + self.prefix_cache.held_cells()
+        owned = len(np.unique(np.concatenate(held))) if held else 0
+        return self.allocator.num_used - owned

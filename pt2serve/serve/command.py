@@ -1,7 +1,8 @@
 """`pt2serve serve-artifact`: serve an artifact over an OpenAI-compatible HTTP API with uvicorn.
 
 The server listens at once and loads the model on a background thread: /health answers 503 until the
-model is loaded (and its graphs captured), then 200; the ready line is printed at that moment.
+model is loaded (and its graphs captured), then 200; the ready line is printed at that moment. SIGTERM or
+SIGINT drains it (see shutdown.py) and it exits 0.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ def serve_artifact_command(
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: what the artifact was built for)."),
     max_sessions: int = typer.Option(64, help="Sessions (X-Session-ID) whose KV cells are kept between requests."),
     max_queued: int = typer.Option(256, help="Requests running or queued before new ones are answered with 429."),
+    max_connections: int = typer.Option(512, help="Open connections before new requests are answered with 503 "
+                                        "(must exceed --max-queued)."),
+    drain_timeout: float = typer.Option(30.0, help="On SIGTERM/SIGINT: seconds running requests may take to finish "
+                                        "before they are cut; new requests get 503 meanwhile."),
+    num_cells: Optional[int] = typer.Option(None, help="KV pool cells (default: the artifact's max_cells; on a GPU "
+                                            "at most what fits in 60% of free memory)."),
     prefix_cache_entries: int = typer.Option(0, help="Prompt prefixes kept for reuse across requests (0: off)."),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="No CUDA graphs (then every step runs forward_others)."),
     api_key: Optional[str] = typer.Option(None, envvar="PT2SERVE_API_KEY",
@@ -52,17 +59,21 @@ def serve_artifact_command(
     from pt2serve.serve.app import create_app
     from pt2serve.serve.config import ServerConfig
     from pt2serve.serve.loader import BackgroundLoader
+    from pt2serve.serve.shutdown import DrainingServer
 
     try:
-        config = ServerConfig(model_name=model_name or artifact.stem, api_key=api_key, max_queued=max_queued)
-        executor_config = ExecutorConfig(use_cuda_graphs=not no_cuda_graphs)
+        config = ServerConfig(model_name=model_name or artifact.stem, api_key=api_key, max_queued=max_queued,
+                              max_connections=max_connections, drain_timeout_s=drain_timeout)
+        executor_config = ExecutorConfig(num_cells=num_cells, use_cuda_graphs=not no_cuda_graphs)
         runner_config = RunnerConfig(prefix_cache_entries=prefix_cache_entries, max_sessions=max_sessions)
     except Pt2ServeError as err:
         fail(str(err))
 
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5, server_header=False))
+    # After draining, connections get timeout_graceful_shutdown to send their last bytes (a stalled reader).
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           limit_concurrency=max_connections, timeout_graceful_shutdown=5,
+                                           server_header=False), app.state.pt2serve)
     loader = BackgroundLoader(app, server, lambda: open_runner(artifact, device, executor_config, runner_config),
                               ready_message=lambda url: f"serving {config.model_name} at {url}/v1 (ready)",
                               describe=describe_load)

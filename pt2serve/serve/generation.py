@@ -39,11 +39,11 @@ class Generation:
         self.done: asyncio.Future[None] = self._loop.create_future()
 
     def start(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
-              session_id: str | None, ignore_eos: bool) -> None:
+              stop_token_ids: tuple[int, ...], session_id: str | None, ignore_eos: bool) -> None:
         """Submit to the runner; raises Pt2ServeError for a request it refuses."""
         self.handle = self._runner.submit(
-            prompt_ids, max_new_tokens=max_tokens, sampling=sampling, stop_strings=stop, session_id=session_id,
-            ignore_eos=ignore_eos, on_event=self._from_engine,
+            prompt_ids, max_new_tokens=max_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
+            stop_strings=stop, session_id=session_id, ignore_eos=ignore_eos, on_event=self._from_engine,
         )
 
     @property
