@@ -448,9 +448,11 @@ def test_metrics_parse_and_count(server, client):
     assert after[ttft] == before[ttft] + 1
     assert after["pt2serve_time_per_output_token_seconds_count"] >= 1
     for gauge in ("pt2serve_requests_waiting", "pt2serve_requests_running", "pt2serve_kv_cells_used",
-                  "pt2serve_kv_cells_free", "pt2serve_prefix_cache_hit_rate"):
+                  "pt2serve_kv_cells_free", "pt2serve_prefix_cache_hit_rate", "pt2serve_preemptions_total"):
         assert gauge in after
     assert after["pt2serve_kv_cells_free"] > 0
+    assert after["pt2serve_kv_cells_leaked"] == 0
+    assert after["process_resident_memory_bytes"] > 10e6  # the process's own, for soak and leak checks
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
