@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -145,13 +144,11 @@ def test_a_stalled_client_holds_up_only_itself(toy_server, toy_runner):
     wait_until_idle(toy_runner)
     baseline = toy_runner.executor.allocator.num_used
     body = json.dumps({"model": MODEL, "prompt": [BOS, 7], "max_tokens": 240, "stream": True}).encode()
-    host, port = toy_server.removeprefix("http://").split(":")
     stalled = socket.socket()
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # fills at once: the server's writes block
-    stalled.connect((host, int(port)))
+    stalled.connect(address(toy_server))
     try:
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # and never read
+        stalled.sendall(http_request(body))  # and never read
         with openai.OpenAI(base_url=f"{toy_server}/v1", api_key="x", timeout=30, max_retries=0) as client:
             for i in range(8):
                 done = client.completions.create(model=MODEL, prompt=[BOS, i], max_tokens=20, temperature=0)
@@ -166,25 +163,68 @@ def test_a_stalled_client_holds_up_only_itself(toy_server, toy_runner):
 # -- limits ------------------------------------------------------------------------------------------------------
 
 
-def test_connections_are_bounded(tiny_artifact):
+@pytest.fixture(scope="module")
+def cli_server(tiny_artifact):
     served = ServeProcess(tiny_artifact, "--max-connections", "3", "--max-queued", "2")
-    idle = []
+    yield served
+    code, stderr = served.stop()
+    assert code == 0, stderr
+
+
+def address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def http_request(body: bytes) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """Status and body of one HTTP/1.1 response with a Content-Length."""
+    sock.settimeout(30)
+    data = b""
+
+    def more() -> bytes:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        return chunk
+
+    while b"\r\n\r\n" not in data:
+        data += more()
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.split(b"\r\n")
+    length = int(next(line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += more()
+    return int(lines[0].split()[1]), body
+
+
+def test_connections_are_bounded(cli_server):
+    idle = [socket.create_connection(address(cli_server.url)) for _ in range(3)]
     try:
-        host, port = served.url.removeprefix("http://").split(":")
-        idle = [socket.create_connection((host, int(port))) for _ in range(3)]
         time.sleep(0.2)  # let the server accept them
-        assert httpx.get(f"{served.url}/health").status_code == 503
-        for sock in idle:
-            sock.close()
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{served.url}/health").status_code != 200:
-            assert time.monotonic() < deadline, "the server did not recover once connections closed"
-            time.sleep(0.05)
+        assert httpx.get(f"{cli_server.url}/health").status_code == 503
     finally:
         for sock in idle:
             sock.close()
-        code, stderr = served.stop()
-    assert code == 0, stderr
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{cli_server.url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the server did not recover once connections closed"
+        time.sleep(0.05)
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(cli_server):
+    """httpx, and so the openai client, reuses a connection for 5 s: the server must keep it open longer."""
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 1}).encode()
+    with socket.create_connection(address(cli_server.url)) as sock:
+        sock.sendall(http_request(body))
+        assert read_response(sock)[0] == 200
+        time.sleep(5.5)
+        sock.sendall(http_request(body))
+        assert read_response(sock)[0] == 200
 
 
 def test_max_connections_must_exceed_max_queued():
@@ -330,4 +370,5 @@ def test_the_api_key_is_compared_in_constant_time_on_equal_lengths(monkeypatch):
     for wrong in ("", "s", "s3cret-kez", key + "x", "ключ", "x" * 1000):
         assert not app_module.key_matches(wrong, key)
     assert compared and all(a == b == hashlib.sha256().digest_size for a, b in compared)
+
 

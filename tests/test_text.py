@@ -207,14 +207,14 @@ def test_a_cut_stream_still_sends_the_text_held_back():
     class CutGeneration:
         error = None
 
-        async def events(self):
-            yield StreamEvent(0xE2, "")  # the first byte of a 3-byte character: held back
-            yield StreamEvent(None, "\ufffd", FinishReason.CANCELLED)
+        async def event_batches(self):
+            yield [StreamEvent(0xE2, "")]  # the first byte of a 3-byte character: held back
+            yield [StreamEvent(None, "\ufffd", FinishReason.CANCELLED)]
 
     async def collect() -> list[str]:
         return [part.decode() async for part in _stream(CutGeneration(), CompletionFormat(MODEL), False)]
 
-    events = asyncio.run(collect())
+    events = [event + "\n\n" for part in asyncio.run(collect()) for event in part.split("\n\n") if event]
     texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]]
     assert "".join(texts) == TOKENIZER.decode([0xE2])
     assert json.loads(events[-2][6:])["error"]["code"] == "cancelled" and events[-1] == "data: [DONE]\n\n"

@@ -14,6 +14,7 @@ import typer
 
 DEVICES = ("cuda", "cpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+KEEP_ALIVE_S = 15
 
 
 def serve_artifact_command(
@@ -71,9 +72,11 @@ def serve_artifact_command(
 
     app = create_app(config)
     # After draining, connections get timeout_graceful_shutdown to send their last bytes (a stalled reader).
+    # Idle keep-alive connections outlive the 5 s after which httpx (and so the openai client) stops reusing
+    # them: with equal timeouts a client may send on a connection the server is closing, and lose the request.
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           limit_concurrency=max_connections, timeout_graceful_shutdown=5,
-                                           server_header=False), app.state.pt2serve)
+                                           limit_concurrency=max_connections, timeout_keep_alive=KEEP_ALIVE_S,
+                                           timeout_graceful_shutdown=5, server_header=False), app.state.pt2serve)
     loader = BackgroundLoader(app, server, lambda: open_runner(artifact, device, executor_config, runner_config),
                               ready_message=lambda url: f"serving {config.model_name} at {url}/v1 (ready)",
                               describe=describe_load)

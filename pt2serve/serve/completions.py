@@ -125,21 +125,27 @@ async def _respond(request: Request, generation: Generation, fmt: ChatFormat | C
 async def _stream(generation: Generation, fmt: ChatFormat | CompletionFormat,
                   include_usage: bool) -> AsyncIterator[bytes]:
     """One chunk per generated token (its text may be empty while held back), then one with the finish
-    reason, then usage if asked for, then [DONE]. A request that fails ends with an error event."""
+    reason, then usage if asked for, then [DONE]. A request that fails ends with an error event.
+
+    The events waiting together go out in one write: a client that falls behind costs fewer writes, and
+    one that left is not written to once per queued event (asyncio warns about each such write)."""
     first = True
-    async for event in generation.events():
-        if event.token_id is not None or event.text:  # a cut request's last event may carry held-back text
-            yield sse(fmt.chunk(event.text, first, include_usage))
-            first = False
-        if event.finish_reason is None:
-            continue
-        reason = FINISH_REASONS.get(event.finish_reason)
-        if reason is None:
-            yield sse(_ended_badly(generation).body())
-        else:  # a clean end always comes with the last token, which carries any held-back text
-            yield sse(fmt.finish_chunk(reason, include_usage))
-            if include_usage:
-                yield sse(fmt.usage_chunk(generation.usage()))
+    async for batch in generation.event_batches():
+        parts = []
+        for event in batch:
+            if event.token_id is not None or event.text:  # a cut request's last event may carry held-back text
+                parts.append(sse(fmt.chunk(event.text, first, include_usage)))
+                first = False
+            if event.finish_reason is None:
+                continue
+            reason = FINISH_REASONS.get(event.finish_reason)
+            if reason is None:
+                parts.append(sse(_ended_badly(generation).body()))
+            else:  # a clean end always comes with the last token, which carries any held-back text
+                parts.append(sse(fmt.finish_chunk(reason, include_usage)))
+                if include_usage:
+                    parts.append(sse(fmt.usage_chunk(generation.usage())))
+        yield b"".join(parts)
     yield SSE_DONE
 
 

@@ -58,12 +58,14 @@ class Generation:
         assert self.handle is not None
         return Usage(len(self.handle.prompt_ids), len(self.token_ids), self.handle.stats.reused_tokens)
 
-    async def events(self) -> AsyncIterator[StreamEvent]:
-        """Events as they come, ending with the one that carries the finish reason."""
+    async def event_batches(self) -> AsyncIterator[list[StreamEvent]]:
+        """Events as they come, all those waiting at once in one batch; the last ends with the finish event."""
         while True:
-            event = await self._queue.get()
-            yield event
-            if event.finish_reason is not None:
+            batch = [await self._queue.get()]
+            while batch[-1].finish_reason is None and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            yield batch
+            if batch[-1].finish_reason is not None:
                 return
 
     def cancel(self) -> None:
