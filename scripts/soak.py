@@ -9,6 +9,7 @@ server itself (see pt2serve/soak/). Prints the tables last; exits 1 when a check
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -40,7 +41,7 @@ def main(
     from pt2serve.soak.driver import run_soak
     from pt2serve.soak.options import SoakOptions
 
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=160)  # a log keeps whole columns
     try:
         options = SoakOptions(url=url, duration_s=duration, seed=seed, concurrency=concurrency, max_queued=max_queued,
                               api_key=api_key, toy_greedy=toy_greedy, warmup_s=warmup,
