@@ -16,6 +16,8 @@ import uvicorn
 
 from pt2serve.serve.shutdown import DrainingServer
 
+TOY_MODEL = "toy"  # the name the toy_server fixture serves toy-greedy under
+
 
 class ServerThread:
     """uvicorn serving `app` from a background thread, on a free port of 127.0.0.1."""

@@ -31,27 +31,12 @@ from pt2serve.serve import app as app_module
 from pt2serve.serve.app import create_app
 from pt2serve.serve.config import ServerConfig
 from pt2serve.tokenizer import Tokenizer
-from servers import ServeProcess, ServerThread
-from test_text import ends_mid_character
+from servers import TOY_MODEL, ServeProcess, ServerThread
 
 TOKENIZER = Tokenizer(byte_tokenizer_files())
 BOS = 256
-MODEL = "toy"
+MODEL = TOY_MODEL
 CELLS = ExecutorConfig(num_cells=4097)
-
-
-@pytest.fixture(scope="module")
-def toy_runner(toy_artifact):
-    runner = open_runner(toy_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
-    yield runner
-    runner.close()
-
-
-@pytest.fixture(scope="module")
-def toy_server(toy_runner):
-    thread = ServerThread(create_app(ServerConfig(model_name=MODEL), toy_runner)).start()
-    yield thread.url
-    thread.stop()
 
 
 def wait_until_idle(runner, timeout_s: float = 30) -> None:
@@ -276,14 +261,20 @@ def test_cli_says_when_there_is_no_gpu(tiny_artifact):
 
 
 @pytest.fixture
-def draining_server(toy_artifact, monkeypatch):
-    """A server over its own slow-stepping runner (draining closes it), with a 1-second drain."""
-    runner = open_runner(toy_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
-    slow_steps(runner, monkeypatch)
-    thread = ServerThread(create_app(ServerConfig(model_name=MODEL, drain_timeout_s=1.0), runner,
-                                     owns_runner=True)).start()
-    yield thread
-    thread.stop()
+def slow_server(toy_artifact, monkeypatch):
+    """Makes a server over its own slow-stepping runner (draining closes it) with a given drain timeout."""
+    servers = []
+
+    def make(drain_timeout_s: float) -> ServerThread:
+        runner = open_runner(toy_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
+        slow_steps(runner, monkeypatch)
+        config = ServerConfig(model_name=MODEL, drain_timeout_s=drain_timeout_s)
+        servers.append(ServerThread(create_app(config, runner, owns_runner=True)).start())
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.stop()
 
 
 def data_lines(lines) -> list[str]:
@@ -297,11 +288,12 @@ def assert_stops_by_itself(server: ServerThread, timeout_s: float = 15) -> None:
         time.sleep(0.05)
 
 
-def test_draining_finishes_running_requests_and_refuses_new_ones(draining_server):
+def test_draining_finishes_running_requests_and_refuses_new_ones(slow_server):
+    draining_server = slow_server(drain_timeout_s=30)
     url = draining_server.url
     prompt = [BOS, 9]
     with httpx.Client(base_url=url, timeout=30) as http:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True}  # ~0.4 s
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
@@ -319,10 +311,11 @@ def test_draining_finishes_running_requests_and_refuses_new_ones(draining_server
     assert_stops_by_itself(draining_server)
 
 
-def test_draining_cuts_what_outlasts_the_timeout(draining_server):
+def test_draining_cuts_what_outlasts_the_timeout(slow_server):
+    draining_server = slow_server(drain_timeout_s=1)
     url = draining_server.url
     prompt = [BOS, 3]
-    long = {"model": MODEL, "prompt": prompt, "max_tokens": 240, "temperature": 0}  # ~2.4 s: past the drain
+    long = {"model": MODEL, "prompt": prompt, "max_tokens": 240, "temperature": 0}  # over 2.4 s: past the drain
     waiting: dict = {}
     whole = threading.Thread(target=lambda: waiting.update(response=httpx.post(f"{url}/v1/completions", json=long,
                                                                                timeout=30)))
@@ -343,11 +336,13 @@ def test_draining_cuts_what_outlasts_the_timeout(draining_server):
     chunks = [json.loads(first[6:])] + [json.loads(line) for line in rest[:-2]]
     texts = [c["choices"][0]["text"] for c in chunks]
     # Nothing lost: the pieces join to the decode of the tokens that came, however the cut fell. One chunk
-    # per token, and one more without a token when the cut found bytes of an unfinished character held back.
+    # per token, and one more without a token when the cut found text held back (bytes that decode to U+FFFD
+    # at the end, which later bytes might have completed).
+    joined = "".join(texts)
     came = toy_greedy_continuation(prompt, len(texts))
-    if "".join(texts) != TOKENIZER.decode(came):
+    if joined != TOKENIZER.decode(came):
         came = came[:-1]
-        assert ends_mid_character(came) and "".join(texts) == TOKENIZER.decode(came)
+        assert TOKENIZER.decode(came).endswith("\ufffd") and joined == TOKENIZER.decode(came)
     assert 0 < len(came) < 240
     response = waiting["response"]
     assert response.status_code == 503 and response.json()["error"]["code"] == "cancelled"

@@ -13,23 +13,18 @@ import json
 import random
 
 import openai
-import pytest
 
 from pt2serve.model.presets import byte_tokenizer_files, toy_greedy_continuation
-from pt2serve.runtime.engine import open_runner
-from pt2serve.runtime.executor import ExecutorConfig
 from pt2serve.runtime.request import FinishReason
-from pt2serve.runtime.runner import RunnerConfig, StreamEvent
-from pt2serve.serve.app import create_app
+from pt2serve.runtime.runner import StreamEvent
 from pt2serve.serve.completions import _stream
-from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.openai_format import CompletionFormat
 from pt2serve.tokenizer import IncrementalDecoder, Tokenizer
-from servers import ServerThread
+from servers import TOY_MODEL
 
 TOKENIZER = Tokenizer(byte_tokenizer_files())
 BOS, EOS = 256, 257
-MODEL = "toy"
+MODEL = TOY_MODEL
 
 
 def ends_mid_character(ids: list[int]) -> bool:
@@ -61,14 +56,6 @@ def test_incremental_decoder_pieces_join_to_the_decode():
 
 
 # -- the runner ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def toy_runner(toy_artifact):
-    runner = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=4097),
-                         runner_config=RunnerConfig(token_budget=64))
-    yield runner
-    runner.close()
 
 
 def designed_case(rng: random.Random, max_new: int = 40) -> tuple[list[int], list[int]]:
@@ -145,13 +132,6 @@ def test_a_stop_string_completed_by_the_last_token_ends_with_stop(toy_runner):
 
 
 # -- over HTTP, streamed and not -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def toy_server(toy_runner):
-    thread = ServerThread(create_app(ServerConfig(model_name=MODEL), toy_runner)).start()
-    yield thread.url
-    thread.stop()
 
 
 async def complete(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: int, stream: bool,

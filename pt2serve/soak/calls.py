@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 import openai
@@ -161,8 +161,19 @@ async def read_events(lines: AsyncIterator[str], into: StreamRead, chat: bool, m
             return
 
 
-def stream_body(target: Target, ask: Ask) -> dict[str, Any]:
-    return {**ask.body(target.model), "stream": True, "stream_options": {"include_usage": True}}
+async def stream_raw(target: Target, kind: str, ask: Ask,
+                     consume: Callable[[AsyncIterator[str]], Awaitable[None]]) -> Outcome | None:
+    """Send a streamed request as raw HTTP and hand its lines to `consume`; the connection closes when that
+    returns, read through or not. An Outcome when the request failed, None when `consume` ran."""
+    body = {**ask.body(target.model), "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with target.http.stream("POST", f"{target.root}{_path(ask)}", json=body) as reply:
+            if reply.status_code != 200:
+                return rejected(kind, reply.status_code, (await reply.aread()).decode(errors="replace"))
+            await consume(reply.aiter_lines())
+    except httpx.HTTPError as err:
+        return Outcome(kind, 200, f"{type(err).__name__}: {err}"[:300])
+    return None
 
 
 def stream_problem(target: Target, ask: Ask, read: StreamRead) -> str | None:

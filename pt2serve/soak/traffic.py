@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import httpx
 
 from pt2serve.soak.calls import (
-    Outcome, StreamRead, Target, post, read_events, rejected, stream_body, stream_problem, via_openai,
+    Outcome, StreamRead, Target, post, read_events, stream_problem, stream_raw, via_openai,
 )
 from pt2serve.soak.oracle import Ask
 
@@ -157,17 +157,11 @@ class Traffic:
     async def cancel(self, rng: random.Random, kind: str) -> Outcome:
         ask = Ask(self._ids(rng, 1, 32), min(200, self.shape.max_context - 40))
         read = StreamRead([])
-        try:
-            async with self.target.http.stream("POST", f"{self.target.root}/v1/completions",
-                                               json=stream_body(self.target, ask)) as reply:
-                if reply.status_code != 200:
-                    return rejected(kind, reply.status_code, (await reply.aread()).decode(errors="replace"))
-                await read_events(reply.aiter_lines(), read, chat=False, max_tokens=rng.randint(1, 4))
-        except httpx.HTTPError as err:
-            return Outcome(kind, 200, f"{type(err).__name__}: {err}"[:300])
-        # Leaving the block closed the connection mid-stream: the server must cancel and free the request.
-        return Outcome(kind, 200, None if read.token_chunks or read.done else "no token before the disconnect",
-                       left_early=True)
+        failed = await stream_raw(self.target, kind, ask,
+                                  lambda lines: read_events(lines, read, chat=False, max_tokens=rng.randint(1, 4)))
+        # Returning closed the connection mid-stream: the server must cancel and free the request.
+        return failed or Outcome(kind, 200, None if read.token_chunks or read.done else "no token before leaving",
+                                 left_early=True)
 
     async def disconnect(self, rng: random.Random, kind: str) -> Outcome:
         ask = Ask(self._ids(rng, 1, 32), min(200, self.shape.max_context - 40))
@@ -177,18 +171,14 @@ class Traffic:
     async def stall(self, rng: random.Random, kind: str) -> Outcome:
         ask = Ask(self._ids(rng, 1, 32), rng.randint(16, min(64, self.shape.max_context - 40)))
         read = StreamRead([])
-        try:
-            async with self.target.http.stream("POST", f"{self.target.root}/v1/completions",
-                                               json=stream_body(self.target, ask)) as reply:
-                if reply.status_code != 200:
-                    return rejected(kind, reply.status_code, (await reply.aread()).decode(errors="replace"))
-                lines = reply.aiter_lines()
-                await read_events(lines, read, chat=False, max_tokens=1)
-                await asyncio.sleep(rng.uniform(0.5, 2.0))  # not reading: the server's writes back up
-                await read_events(lines, read, chat=False)
-        except httpx.HTTPError as err:
-            return Outcome(kind, 200, f"{type(err).__name__}: {err}"[:300])
-        return Outcome(kind, 200, stream_problem(self.target, ask, read))
+
+        async def stop_reading_a_while(lines) -> None:
+            await read_events(lines, read, chat=False, max_tokens=1)
+            await asyncio.sleep(rng.uniform(0.5, 2.0))  # not reading: the server's writes back up
+            await read_events(lines, read, chat=False)
+
+        failed = await stream_raw(self.target, kind, ask, stop_reading_a_while)
+        return failed or Outcome(kind, 200, stream_problem(self.target, ask, read))
 
     async def bad(self, rng: random.Random, kind: str) -> Outcome:
         self._bad = self._bad or self._bad_requests()
