@@ -104,6 +104,8 @@ class IncrementalDecoder:
 
     Only a short window is decoded per token (the tokens since the last emitted text, plus the ones before
     them that give it context), so streaming costs O(1) per token rather than re-decoding everything.
+    When no token follows, `flush()` gives what is held back, so the deltas always join to the decode of
+    all the ids.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -111,23 +113,31 @@ class IncrementalDecoder:
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the context window
         self._read_offset = 0  # tokens before this are already emitted as text
-        self._emitted: list[str] = []
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        before = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        after = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        before, after = self._window()
         # A replacement character at the end means a multi-byte character is still incomplete.
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        delta = after[len(before):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._emitted.append(delta)
-        return delta
+        return self._emit(after[len(before):])
 
-    @property
-    def text(self) -> str:
-        return "".join(self._emitted)
+    def flush(self) -> str:
+        """The text held back, decoded as it stands (an incomplete character becomes U+FFFD)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        before, after = self._window()
+        return self._emit(after[len(before):])
+
+    def _window(self) -> tuple[str, str]:
+        """The window's text without and with the tokens not yet emitted."""
+        window = self._ids[self._prefix_offset:]
+        emitted = self._read_offset - self._prefix_offset
+        return self._tokenizer.decode(window[:emitted]), self._tokenizer.decode(window)
+
+    def _emit(self, delta: str) -> str:
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return delta
 
 
 def read_tokenizer_config(text: str, source: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Shared fixtures: each compiled test artifact is exported once per test run.
+"""Shared fixtures: each compiled test artifact is exported once per test run; a toy-greedy runner and a
+server over it, once per test module.
 
 Set PT2SERVE_TEST_ARTIFACTS=DIR to keep the exports in DIR and reuse them across runs (delete the files
 after changing model or export code).
@@ -24,6 +25,12 @@ import pytest  # noqa: E402
 
 from pt2serve.export.exporter import export  # noqa: E402
 from pt2serve.export.options import ExportOptions  # noqa: E402
+from pt2serve.runtime.engine import open_runner  # noqa: E402
+from pt2serve.runtime.executor import ExecutorConfig  # noqa: E402
+from pt2serve.runtime.runner import RunnerConfig  # noqa: E402
+from pt2serve.serve.app import create_app  # noqa: E402
+from pt2serve.serve.config import ServerConfig  # noqa: E402
+from servers import TOY_MODEL, ServerThread  # noqa: E402
 
 # Small enough to export quickly on 2 cores, wide enough for every width test (1..65, 96, 97, > max).
 TEST_MAX_CONTEXT = 256
@@ -91,6 +98,22 @@ def tiny_server(tiny_artifact):
         thread.join(timeout=15)
         sock.close()
         runner.close()
+
+
+@pytest.fixture(scope="module")
+def toy_runner(toy_artifact):
+    runner = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=4097),
+                         runner_config=RunnerConfig(token_budget=64))
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def toy_server(toy_runner):
+    """The URL of a server over `toy_runner`, serving it as TOY_MODEL."""
+    thread = ServerThread(create_app(ServerConfig(model_name=TOY_MODEL), toy_runner)).start()
+    yield thread.url
+    thread.stop()
 
 
 def pytest_collection_modifyitems(config, items):

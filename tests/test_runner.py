@@ -20,13 +20,6 @@ CELLS = ExecutorConfig(num_cells=4097)
 
 
 @pytest.fixture(scope="module")
-def toy_runner(toy_artifact):
-    runner = open_runner(toy_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
-    yield runner
-    runner.close()
-
-
-@pytest.fixture(scope="module")
 def tiny_runner(tiny_artifact):
     runner = open_runner(tiny_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
     yield runner

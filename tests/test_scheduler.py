@@ -116,6 +116,7 @@ def test_preemption_when_the_pool_runs_dry_recomputes_later():
                 finished.add(event.request_id)
     assert finished == {a.id, b.id}
     assert a.stats.completion_tokens == b.stats.completion_tokens == 10
+    assert scheduler.num_preemptions >= 1
     assert scheduler.allocator.num_used == 0
 
 
@@ -236,3 +237,16 @@ def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
     assert [(e.request_id, e.token, e.finish_reason) for e in events] == [(first.id, 21, FinishReason.LENGTH)]
     assert scheduler.commit(plan, (22,)) == []
     assert first.tokens[8:] == [21] and scheduler.allocator.num_used == 0
+
+
+def test_leaked_cells_are_the_used_cells_nothing_holds():
+    scheduler = make_scheduler(prefix_cache_entries=4)
+    add_request(scheduler, 10, max_new=3, session_id="chat")
+    add_request(scheduler, 10, max_new=3)  # the same prompt: its prefix shares the session's cells
+    while scheduler.has_work():
+        run_step(scheduler)
+        assert scheduler.num_leaked_cells() == 0
+    assert scheduler.allocator.num_used > 0  # kept by the session and the prefix cache, not leaked
+    assert scheduler.num_leaked_cells() == 0
+    scheduler.allocator.allocate(3)  # cells nobody holds
+    assert scheduler.num_leaked_cells() == 3

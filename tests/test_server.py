@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
@@ -28,37 +24,11 @@ from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.serve.app import attach_runner, create_app
 from pt2serve.serve.config import ServerConfig
+from servers import ServeProcess, ServerThread
 
 MODEL = "tiny"
 API_KEY = "test-key-123"
 VOCAB = 258  # the tiny preset's byte vocabulary: 256 bytes, bos, eos
-
-
-class ServerThread:
-    """uvicorn serving `app` from a background thread, on a free port of 127.0.0.1."""
-
-    def __init__(self, app) -> None:
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
-
-    def start(self) -> "ServerThread":
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            assert self._thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=15)
-        self._socket.close()
-        assert not self._thread.is_alive(), "uvicorn did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -286,6 +256,10 @@ BAD_REQUESTS = [
     (COMPLETIONS, {**OK, "n": 2}, 400, "only n=1", "n"),
     (COMPLETIONS, {**OK, "stream": "yes"}, 400, "valid boolean", "stream"),
     (COMPLETIONS, {**OK, "stop": [1, 2]}, 400, "stop must be", "stop"),
+    (COMPLETIONS, {**OK, "stop": [str(i) for i in range(17)]}, 400, "at most 16 stop strings", "stop"),
+    (COMPLETIONS, {**OK, "stop_token_ids": list(range(17))}, 400, "at most 16 items", "stop_token_ids"),
+    (COMPLETIONS, {**OK, "stop_token_ids": [VOCAB]}, 400, "outside the vocabulary", "stop_token_ids"),
+    (COMPLETIONS, {**OK, "stop_token_ids": ["a"]}, 400, "valid integer", "stop_token_ids.0"),
     (COMPLETIONS, {**OK, "seed": 1.5}, 400, "valid integer", "seed"),
     (COMPLETIONS, {**OK, "model": "gpt-9"}, 404, "'gpt-9' does not exist", "model"),
     (COMPLETIONS, {"model": MODEL}, 400, "Field required", "prompt"),
@@ -474,31 +448,28 @@ def test_metrics_parse_and_count(server, client):
     assert after[ttft] == before[ttft] + 1
     assert after["pt2serve_time_per_output_token_seconds_count"] >= 1
     for gauge in ("pt2serve_requests_waiting", "pt2serve_requests_running", "pt2serve_kv_cells_used",
-                  "pt2serve_kv_cells_free", "pt2serve_prefix_cache_hit_rate"):
+                  "pt2serve_kv_cells_free", "pt2serve_prefix_cache_hit_rate", "pt2serve_preemptions_total"):
         assert gauge in after
     assert after["pt2serve_kv_cells_free"] > 0
+    assert after["pt2serve_kv_cells_leaked"] == 0
+    assert after["process_resident_memory_bytes"] > 10e6  # the process's own, for soak and leak checks
 
 
-def test_cli_serves_until_interrupted(tiny_artifact):
-    command = [sys.executable, "-m", "pt2serve.cli", "serve-artifact", str(tiny_artifact), "--port", "0",
-               "--model-name", "cli-model", "--api-key", API_KEY]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_cli_serves_until_signalled_then_exits_0(tiny_artifact, sig):
+    served = ServeProcess(tiny_artifact, "--model-name", "cli-model", "--api-key", API_KEY)
     try:
-        lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-        threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
-        loaded = lines.get(timeout=90)  # once the model is loaded: what it cost, then where it listens
-        assert loaded.startswith("loaded in ") and "KV pool" in loaded and "graphs" in loaded
-        ready = lines.get(timeout=30)
-        assert ready.startswith("serving cli-model at http://127.0.0.1:") and ready.rstrip().endswith("(ready)")
-        base = ready.split(" at ")[1].split()[0]  # http://127.0.0.1:PORT/v1
-        root = base.removesuffix("/v1")
-        assert httpx.get(f"{root}/health").json() == {"status": "ok"}
-        with openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0) as cli_client:
+        assert served.load_line.startswith("loaded in ") and "KV pool" in served.load_line
+        assert "graphs" in served.load_line
+        assert served.ready_line.startswith("serving cli-model at http://127.0.0.1:")
+        assert served.ready_line.rstrip().endswith("(ready)")
+        assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
+        with openai.OpenAI(base_url=f"{served.url}/v1", api_key=API_KEY, max_retries=0) as cli_client:
             done = cli_client.completions.create(model="cli-model", prompt="hi", max_tokens=3)
             assert done.usage.prompt_tokens == 3 and done.model == "cli-model"
     finally:
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=30)
+        code, stderr = served.stop(sig)
+    assert code == 0, stderr
     assert "Traceback" not in stderr
 
 

@@ -159,6 +159,12 @@ def load_artifact(
 def check_machine(metadata: Metadata, device: torch.device) -> None:
     """Refuse an artifact this machine cannot run, saying how to fix it."""
     built = metadata.raw["built_with"]
+    if device.type == "cuda":  # first: without a GPU, nothing else about the artifact matters
+        if not torch.cuda.is_available():
+            raise Pt2ServeError("no CUDA GPU is visible here (torch.cuda.is_available() is False): serve on a machine "
+                                "with a GPU, or export the model with --backend cpu and serve that on the CPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise Pt2ServeError(f"there is no GPU {device}: this machine has {torch.cuda.device_count()}")
     if metadata.backend == "cuda" and device.type != "cuda":
         raise Pt2ServeError("this artifact was exported for cuda; serve it on a GPU, or re-export with --backend cpu")
     if metadata.backend == "cpu" and device.type != "cpu":
@@ -174,8 +180,6 @@ def check_machine(metadata: Metadata, device: torch.device) -> None:
             "compiled methods only load under the torch release that built them: re-export it here"
         )
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise Pt2ServeError("this artifact needs a CUDA GPU, and torch sees none")
         major, minor = torch.cuda.get_device_capability(device)
         here = f"sm_{major}{minor}"
         if built.get("gpu_arch") and built["gpu_arch"] != here:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pt2serve.contract import SCRATCH_CELL
+from pt2serve.errors import Pt2ServeError
 
 
 class CellAllocator:
@@ -114,5 +115,35 @@ def cells_that_fit(
     free_bytes: int, fraction: float, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
     """How many cells `fraction` of `free_bytes` holds."""
-    bytes_per_cell = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
-    return int(free_bytes * fraction) // bytes_per_cell
+    return int(free_bytes * fraction) // bytes_per_cell(num_layers, num_kv_heads, head_dim, dtype)
+
+
+def bytes_per_cell(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+def check_pool_fits(num_cells: int, cache: dict, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, with the sizes, a pool larger than the memory available for it (before allocating: on the
+    CPU an allocation that is too large ends the process through the kernel's OOM killer)."""
+    needed = num_cells * bytes_per_cell(cache["num_layers"], cache["num_kv_heads"], cache["head_dim"], dtype)
+    available = available_memory_bytes(device)
+    if available is not None and needed > available:
+        where = "GPU" if device.type == "cuda" else "host"
+        raise Pt2ServeError(
+            f"a KV pool of {num_cells} cells needs {needed / 1e9:.2f} GB, but only {available / 1e9:.2f} GB of "
+            f"{where} memory is available: lower --num-cells"
+        )
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free device memory on a GPU; the kernel's MemAvailable on a CPU (None where it cannot tell)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

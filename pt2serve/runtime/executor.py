@@ -13,7 +13,9 @@ id into step n+1's inputs on the device, in stream order.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -21,7 +23,7 @@ import torch
 from pt2serve.contract import SAMPLE, SAMPLE_ARGMAX
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import Artifact
-from pt2serve.runtime.cells import CellAllocator, allocate_kv_pools, cells_that_fit
+from pt2serve.runtime.cells import CellAllocator, allocate_kv_pools, cells_that_fit, check_pool_fits
 from pt2serve.runtime.graphs import capture_all
 from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, regions, slice_step
 
@@ -106,9 +108,10 @@ class Executor:
         self.max_step_tokens = meta.max_step_tokens
         num_cells = self._pool_size(config)
         cache = meta.cache
-        self._pool_storage, k_pools, v_pools = allocate_kv_pools(
-            cache["num_layers"], num_cells, cache["num_kv_heads"], cache["head_dim"], meta.kv_dtype, self.device
-        )
+        with _out_of_memory_explained(f"allocating a KV pool of {num_cells} cells"):
+            self._pool_storage, k_pools, v_pools = allocate_kv_pools(
+                cache["num_layers"], num_cells, cache["num_kv_heads"], cache["head_dim"], meta.kv_dtype, self.device
+            )
         self.pools = [*k_pools, *v_pools]
         self.allocator = CellAllocator(num_cells)
         self._previous_ids: torch.Tensor | None = None
@@ -118,9 +121,10 @@ class Executor:
         for width in self.forward_sizes:
             method = f"forward_{width}"
             idle_steps[method] = pack([], method, width, meta.entries_of(width))
-        self._static, capture_seconds = capture_all(
-            artifact.run, idle_steps, self.pools, self.device, self.uses_cuda_graphs
-        )
+        with _out_of_memory_explained("capturing CUDA graphs"):
+            self._static, capture_seconds = capture_all(
+                artifact.run, idle_steps, self.pools, self.device, self.uses_cuda_graphs
+            )
         self.memory = MemoryReport(
             weight_bytes=artifact.report.weight_bytes,
             pool_bytes=self._pool_storage.numel() * self._pool_storage.element_size(),
@@ -135,8 +139,10 @@ class Executor:
         if config.num_cells is not None:
             if config.num_cells > limit:
                 raise Pt2ServeError(f"num_cells {config.num_cells} exceeds the artifact's max_cells + 1 ({limit})")
+            check_pool_fits(config.num_cells, meta.cache, meta.kv_dtype, self.device)
             return config.num_cells
         if self.device.type != "cuda":
+            check_pool_fits(limit, meta.cache, meta.kv_dtype, self.device)
             return limit
         cache = meta.cache
         fits = cells_that_fit(_free_device_bytes(self.device), config.kv_memory_fraction, cache["num_layers"],
@@ -231,3 +237,11 @@ def _free_device_bytes(device: torch.device) -> int:
         return 0
     free, _total = torch.cuda.mem_get_info(device)
     return free
+
+
+@contextmanager
+def _out_of_memory_explained(doing: str) -> Iterator[None]:
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise Pt2ServeError(f"out of device memory {doing}: lower --num-cells, or free the GPU") from None

@@ -68,6 +68,9 @@ class PrefixCache:
         self.num_reused_tokens += best_len
         return PrefixMatch(best_len, cells)
 
+    def held_cells(self) -> list[np.ndarray]:
+        return list(self._entries.values())
+
     def evict_oldest(self) -> bool:
         """Drop the least recently used entry; False when empty."""
         if not self._entries:

@@ -87,6 +87,8 @@ class RunnerStats:
     cells_free: int = 0
     prefix_cache_hit_rate: float = 0.0
     num_steps: int = 0
+    num_preemptions: int = 0
+    cells_leaked: int = 0  # counted while idle: cells in use that nothing holds (always 0 unless a bug)
 
 
 class RequestHandle:
@@ -326,12 +328,27 @@ class Runner:
 
     def _on_token(self, request_id: int, token: int, finish_reason: FinishReason | None) -> None:
         live = self._live[request_id]
-        text = live.decoder.push(token) if live.decoder is not None else ""
-        text, hit_stop = live.stops.feed(text, is_final=finish_reason is not None)
+        try:
+            text, hit_stop = self._text(live, token, is_final=finish_reason is not None)
+        except Exception as err:  # a failing tokenizer fails its own request, not the engine
+            self._fail(request_id, token, f"detokenizing failed: {type(err).__name__}: {err}")
+            return
         if hit_stop and finish_reason is None:
             self.scheduler.finish(request_id, FinishReason.STOP)
+        if hit_stop:  # also when the token that ends the request by length completes a stop string
             finish_reason = FinishReason.STOP
         self._deliver(request_id, StreamEvent(token, text, finish_reason))
+
+    @staticmethod
+    def _text(live: _Live, token: int | None, is_final: bool) -> tuple[str, bool]:
+        """The text a token adds (at the end, with all that was held back) and whether a stop string hit."""
+        text = ""
+        if live.decoder is not None:
+            if token is not None:
+                text = live.decoder.push(token)
+            if is_final:
+                text += live.decoder.flush()
+        return live.stops.feed(text, is_final)
 
     def _finish(self, request_id: int, reason: FinishReason, error: str | None = None) -> None:
         if self.scheduler.finish(request_id, reason) is not None:
@@ -339,8 +356,20 @@ class Runner:
 
     def _emit_final(self, request_id: int, reason: FinishReason, error: str | None) -> None:
         live = self._live.get(request_id)
-        if live is not None:
-            self._deliver(request_id, StreamEvent(None, live.stops.flush(), reason, error))
+        if live is None:
+            return
+        try:
+            text, _ = self._text(live, None, is_final=True)
+        except Exception as err:
+            self._fail(request_id, None, f"detokenizing failed: {type(err).__name__}: {err}")
+            return
+        self._deliver(request_id, StreamEvent(None, text, reason, error))
+
+    def _fail(self, request_id: int, token: int | None, error: str) -> None:
+        """End one request with an error that is its own (its tokenizer or callback failed)."""
+        self.scheduler.finish(request_id, FinishReason.ERROR)  # a no-op when it already finished
+        if request_id in self._live:
+            self._deliver(request_id, StreamEvent(token, "", FinishReason.ERROR, error))
 
     def _deliver(self, request_id: int, event: StreamEvent) -> None:
         live = self._live[request_id]
@@ -348,7 +377,11 @@ class Runner:
             del self._live[request_id]
             with self._active_lock:
                 self._num_active -= 1
-        live.handle._deliver(event)
+        try:
+            live.handle._deliver(event)
+        except Exception as err:  # a caller's callback that raises ends its own request, not the engine
+            if event.finish_reason is None:
+                self._fail(request_id, None, f"the event callback raised {type(err).__name__}: {err}")
 
     def _update_stats(self) -> None:
         allocator = self.scheduler.allocator
@@ -359,6 +392,8 @@ class Runner:
             cells_free=allocator.num_free,
             prefix_cache_hit_rate=self.scheduler.prefix_cache.hit_rate,
             num_steps=self.scheduler.step,
+            num_preemptions=self.scheduler.num_preemptions,
+            cells_leaked=self.stats.cells_leaked if self.scheduler.has_work() else self.scheduler.num_leaked_cells(),
         )
 
     def _shutdown(self) -> None:

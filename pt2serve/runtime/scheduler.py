@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from pt2serve.runtime.cells import CellAllocator, CellTable
 from pt2serve.runtime.prefix_cache import PrefixCache
 from pt2serve.runtime.request import FinishReason, Request, RequestStatus
@@ -82,6 +84,7 @@ class Scheduler:
         self._decode_turn = 0
         self._sampling_index: dict[int, int] = {}  # request id -> its sampling chunk's index in the last plan
         self.step = 0
+        self.num_preemptions = 0
 
     # -- queue ---------------------------------------------------------------------------------------
 
@@ -233,6 +236,7 @@ class Scheduler:
         """Free a running request's cells; it is recomputed (prompt and generated tokens) later."""
         self.allocator.free(request.cells.truncate(0))
         request.num_computed = 0
+        self.num_preemptions += 1
         self._running.remove(request.id)
         self._waiting.appendleft(request.id)
         request.status = RequestStatus.WAITING
@@ -315,3 +319,11 @@ class Scheduler:
         else:
             self.allocator.free(cells)
         return request
+
+    def num_leaked_cells(self) -> int:
+        """Cells in use that no request, session or prefix-cache entry holds: 0 unless a cell leaked.
+        O(cells held), so callers count it when idle."""
+        held = [r.cells.cells for r in self.requests.values()]
+        held += self.sessions.held_cells() + self.prefix_cache.held_cells()
+        owned = len(np.unique(np.concatenate(held))) if held else 0
+        return self.allocator.num_used - owned

@@ -41,6 +41,9 @@ class SessionStore:
         while len(self._sessions) > self.max_sessions:
             self.evict_oldest()
 
+    def held_cells(self) -> list[np.ndarray]:
+        return [session.cells for session in self._sessions.values()]
+
     def evict_oldest(self) -> bool:
         if not self._sessions:
             return False

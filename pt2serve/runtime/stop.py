@@ -24,11 +24,6 @@ class StopStringMatcher:
         self._held = text[len(text) - hold:] if hold else ""
         return text[: len(text) - hold], False
 
-    def flush(self) -> str:
-        """The held-back text, when the request ends for another reason."""
-        held, self._held = self._held, ""
-        return held
-
 
 def _overlap(text: str, stop: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `stop`."""

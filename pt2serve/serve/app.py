@@ -7,11 +7,10 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
-import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -23,29 +22,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pt2serve.runtime.runner import Runner
 from pt2serve.serve import completions
 from pt2serve.serve.config import ServerConfig
-from pt2serve.serve.errors import ApiError, error_body
-from pt2serve.serve.metrics import ServerMetrics
+from pt2serve.serve.errors import ApiError, UnexpectedErrors
 from pt2serve.serve.openai_format import model_card, model_list
+from pt2serve.serve.state import ServerState
 
 log = logging.getLogger("pt2serve.serve")
-
-
-@dataclass
-class ServerState:
-    config: ServerConfig
-    runner: Runner | None = None
-    owns_runner: bool = False  # close the runner when the app shuts down
-    created: int = field(default_factory=lambda: int(time.time()))
-    metrics: ServerMetrics = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(lambda: self.runner.stats if self.runner is not None else None)
-
-    def ready_runner(self) -> Runner:
-        if self.runner is None:
-            raise ApiError(503, "the model is still loading; retry shortly", code="model_loading",
-                           headers={"Retry-After": "1"})
-        return self.runner
 
 
 def create_app(config: ServerConfig, runner: Runner | None = None, owns_runner: bool = False) -> FastAPI:
@@ -66,7 +47,7 @@ def create_app(config: ServerConfig, runner: Runner | None = None, owns_runner: 
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if scheme.lower() != "bearer" or not key_matches(token.strip(), key):
             raise ApiError(401, "missing or incorrect API key: send it as 'Authorization: Bearer KEY'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -74,6 +55,9 @@ def create_app(config: ServerConfig, runner: Runner | None = None, owns_runner: 
     async def health() -> JSONResponse:
         if state.runner is None:
             return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
+        if state.draining:  # load balancers stop sending here while running requests finish
+            return JSONResponse({"status": "draining"}, status_code=503,
+                                headers={"Retry-After": str(config.retry_after_seconds)})
         return JSONResponse({"status": "ok"})
 
     api = APIRouter(dependencies=[Depends(require_api_key)])
@@ -97,14 +81,20 @@ def create_app(config: ServerConfig, runner: Runner | None = None, owns_runner: 
 
     @api.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        return await completions.handle(request, state.ready_runner(), config, state.metrics, chat=False)
+        return await completions.handle(request, state, chat=False)
 
     @api.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        return await completions.handle(request, state.ready_runner(), config, state.metrics, chat=True)
+        return await completions.handle(request, state, chat=True)
 
     app.include_router(api)
     return app
+
+
+def key_matches(given: str, key: str) -> bool:
+    """Compare in constant time. Hashing first makes both sides the same length, so not even the key's
+    length shows in the timing (compare_digest alone returns at once on a length mismatch)."""
+    return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), hashlib.sha256(key.encode()).digest())
 
 
 def attach_runner(app: FastAPI, runner: Runner, owns_runner: bool = True) -> None:
@@ -129,8 +119,4 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
         return ApiError(400, "the request is malformed").response()
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, err: Exception) -> JSONResponse:
-        log.error("unexpected error in %s %s", request.method, request.url.path, exc_info=err)
-        return JSONResponse(error_body("internal server error; see the server log", "server_error"),
-                            status_code=500)
+    app.add_middleware(UnexpectedErrors)

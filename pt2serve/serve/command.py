@@ -1,7 +1,8 @@
 """`pt2serve serve-artifact`: serve an artifact over an OpenAI-compatible HTTP API with uvicorn.
 
 The server listens at once and loads the model on a background thread: /health answers 503 until the
-model is loaded (and its graphs captured), then 200; the ready line is printed at that moment.
+model is loaded (and its graphs captured), then 200; the ready line is printed at that moment. SIGTERM or
+SIGINT drains it (see shutdown.py) and it exits 0.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pt2serve.runtime_flags import (
 
 DEVICES = ("cuda", "cpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+KEEP_ALIVE_S = 15
 
 
 def serve_artifact_command(
@@ -32,6 +34,10 @@ def serve_artifact_command(
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: what the artifact was built for)."),
     max_sessions: int = typer.Option(64, help="Sessions (X-Session-ID) whose KV cells are kept between requests."),
     max_queued: int = typer.Option(256, help="Requests running or queued before new ones are answered with 429."),
+    max_connections: int = typer.Option(512, help="Open connections before new requests are answered with 503 "
+                                        "(must exceed --max-queued)."),
+    drain_timeout: float = typer.Option(30.0, help="On SIGTERM/SIGINT: seconds running requests may take to finish "
+                                        "before they are cut; new requests get 503 meanwhile."),
     prefix_cache_entries: int = typer.Option(0, help="Prompt prefixes kept for reuse across requests (0: off)."),
     token_budget: Optional[int] = token_budget_option(),
     max_decode_sequences: Optional[int] = max_decode_sequences_option(),
@@ -67,9 +73,11 @@ def serve_artifact_command(
     from pt2serve.serve.app import create_app
     from pt2serve.serve.config import ServerConfig
     from pt2serve.serve.loader import BackgroundLoader
+    from pt2serve.serve.shutdown import DrainingServer
 
     try:
-        config = ServerConfig(model_name=model_name or artifact.stem, api_key=api_key, max_queued=max_queued)
+        config = ServerConfig(model_name=model_name or artifact.stem, api_key=api_key, max_queued=max_queued,
+                              max_connections=max_connections, drain_timeout_s=drain_timeout)
         executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
         runner_config = RunnerConfig(**step_budget(token_budget, max_decode_sequences, min_prefill_chunk),
                                      prefix_cache_entries=prefix_cache_entries, max_sessions=max_sessions)
@@ -77,8 +85,12 @@ def serve_artifact_command(
         fail(str(err))
 
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5, server_header=False))
+    # After draining, connections get timeout_graceful_shutdown to send their last bytes (a stalled reader).
+    # Idle keep-alive connections outlive the 5 s after which httpx (and so the openai client) stops reusing
+    # them: with equal timeouts a client may send on a connection the server is closing, and lose the request.
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           limit_concurrency=max_connections, timeout_keep_alive=KEEP_ALIVE_S,
+                                           timeout_graceful_shutdown=5, server_header=False), app.state.pt2serve)
     loader = BackgroundLoader(app, server, lambda: open_runner(artifact, device, executor_config, runner_config),
                               ready_message=lambda url: f"serving {config.model_name} at {url}/v1 (ready)",
                               describe=describe_load)

@@ -16,36 +16,34 @@ from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.errors import ApiError, bad_request
 from pt2serve.serve.generation import Generation
-from pt2serve.serve.metrics import ServerMetrics
 from pt2serve.serve.openai_format import FINISH_REASONS, SSE_DONE, ChatFormat, CompletionFormat, sse
 from pt2serve.serve.schemas import MAX_SESSION_ID_CHARS, GenerationRequest, parse_chat, parse_completion
+from pt2serve.serve.state import ServerState
 from pt2serve.serve.transport import EventStream, read_json, wait_for_disconnect
 
 SESSION_HEADER = "x-session-id"
 
 
-async def handle(request: Request, runner: Runner, config: ServerConfig, metrics: ServerMetrics,
-                 chat: bool) -> Response:
+async def handle(request: Request, state: ServerState, chat: bool) -> Response:
     arrived = time.perf_counter()
+    runner, config = state.ready_runner(), state.config
     data = await read_json(request, config.max_body_bytes)
     req = parse_chat(data) if chat else parse_completion(data)
     if req.model is not None and req.model != config.model_name:
         raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {config.model_name!r}",
                        "model", "model_not_found")
     session_id = _session_id(req, request)
+    _check_token_ids(runner, req.stop_token_ids, "stop_token_ids")
     prompt_ids = await run_in_threadpool(_prompt_ids, runner, req)
     max_tokens = _max_tokens(runner, config, req, len(prompt_ids))
     try:
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
     except Pt2ServeError as err:
         raise bad_request(str(err)) from None
-    # Checked right before submitting, with no await in between, so concurrent requests cannot overshoot.
-    if runner.num_active >= config.max_queued:
-        raise ApiError(429, f"the server is at capacity ({runner.num_active} requests queued or running); "
-                       "retry later", code="queue_full", headers={"Retry-After": str(config.retry_after_seconds)})
-    generation = Generation(runner, metrics, arrived)
+    state.check_admission(runner)
+    generation = Generation(runner, state.metrics, arrived)
     try:
-        generation.start(prompt_ids, max_tokens, sampling, req.stop, session_id, req.ignore_eos)
+        generation.start(prompt_ids, max_tokens, sampling, req.stop, req.stop_token_ids, session_id, req.ignore_eos)
     except Pt2ServeError as err:
         raise bad_request(str(err)) from None
     fmt = ChatFormat(config.model_name) if chat else CompletionFormat(config.model_name)
@@ -80,11 +78,15 @@ def _prompt_ids(runner: Runner, req: GenerationRequest) -> list[int]:
             raise bad_request("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
         return tokenizer.encode(req.prompt)
     assert req.prompt is not None
-    bad = [t for t in req.prompt if not 0 <= t < runner.vocab_size]
-    if bad:
-        raise bad_request(f"the prompt has token ids outside the vocabulary [0, {runner.vocab_size}): {bad[:5]}",
-                          "prompt", "invalid_token_ids")
+    _check_token_ids(runner, req.prompt, "prompt")
     return req.prompt
+
+
+def _check_token_ids(runner: Runner, ids: list[int] | tuple[int, ...], param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < runner.vocab_size]
+    if bad:
+        raise bad_request(f"the {param} has token ids outside the vocabulary [0, {runner.vocab_size}): {bad[:5]}",
+                          param, "invalid_token_ids")
 
 
 def _max_tokens(runner: Runner, config: ServerConfig, req: GenerationRequest, num_prompt: int) -> int:
@@ -123,21 +125,27 @@ async def _respond(request: Request, generation: Generation, fmt: ChatFormat | C
 async def _stream(generation: Generation, fmt: ChatFormat | CompletionFormat,
                   include_usage: bool) -> AsyncIterator[bytes]:
     """One chunk per generated token (its text may be empty while held back), then one with the finish
-    reason, then usage if asked for, then [DONE]. A request that fails ends with an error event."""
+    reason, then usage if asked for, then [DONE]. A request that fails ends with an error event.
+
+    The events waiting together go out in one write: a client that falls behind costs fewer writes, and
+    one that left is not written to once per queued event (asyncio warns about each such write)."""
     first = True
-    async for event in generation.events():
-        if event.token_id is not None:
-            yield sse(fmt.chunk(event.text, first, include_usage))
-            first = False
-        if event.finish_reason is None:
-            continue
-        reason = FINISH_REASONS.get(event.finish_reason)
-        if reason is None:
-            yield sse(_ended_badly(generation).body())
-        else:  # a clean end always comes with the last token, which carries any held-back text
-            yield sse(fmt.finish_chunk(reason, include_usage))
-            if include_usage:
-                yield sse(fmt.usage_chunk(generation.usage()))
+    async for batch in generation.event_batches():
+        parts = []
+        for event in batch:
+            if event.token_id is not None or event.text:  # a cut request's last event may carry held-back text
+                parts.append(sse(fmt.chunk(event.text, first, include_usage)))
+                first = False
+            if event.finish_reason is None:
+                continue
+            reason = FINISH_REASONS.get(event.finish_reason)
+            if reason is None:
+                parts.append(sse(_ended_badly(generation).body()))
+            else:  # a clean end always comes with the last token, which carries any held-back text
+                parts.append(sse(fmt.finish_chunk(reason, include_usage)))
+                if include_usage:
+                    parts.append(sse(fmt.usage_chunk(generation.usage())))
+        yield b"".join(parts)
     yield SSE_DONE
 
 

@@ -12,6 +12,8 @@ class ServerConfig:
     model_name: str = "model"  # the id clients pass as `model`
     api_key: str | None = None  # None: no authentication
     max_queued: int = 256  # requests in the runner (running + waiting) before new ones get 429
+    max_connections: int = 512  # open HTTP connections before uvicorn answers 503 (bounds sockets and tasks)
+    drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT, how long running requests may go on
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = 16
     retry_after_seconds: int = 1  # what a 429 tells the client to wait
@@ -23,6 +25,11 @@ class ServerConfig:
             raise Pt2ServeError("the API key must not be empty (leave it out to turn authentication off)")
         if self.max_queued < 1:
             raise Pt2ServeError(f"max_queued must be at least 1, got {self.max_queued}")
+        if self.max_connections <= self.max_queued:
+            raise Pt2ServeError(f"max_connections ({self.max_connections}) must exceed max_queued ({self.max_queued}): "
+                                "every queued request holds a connection, and a full queue must still answer 429")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise Pt2ServeError(f"drain_timeout_s must be in [0, 3600], got {self.drain_timeout_s}")
         if self.max_body_bytes < 1024:
             raise Pt2ServeError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.default_max_tokens < 1:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("pt2serve.serve")
 
 # OpenAI's error types, by status.
 _TYPES = {
@@ -53,3 +57,32 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param, code)
+
+
+class UnexpectedErrors:
+    """ASGI middleware: an exception no handler expected is logged once and answered with a 500 in the
+    shape above. (Starlette's handler for Exception re-raises after answering, and uvicorn then drops the
+    connection, so the client may see a reset instead of the answer.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as err:
+            if started:  # part of a response is out: nothing to answer, let uvicorn close the connection
+                raise
+            log.error("unexpected error in %s %s", scope["method"], scope["path"], exc_info=err)
+            body = error_body("internal server error; see the server log", "server_error")
+            await JSONResponse(body, status_code=500)(scope, receive, send)

@@ -39,11 +39,11 @@ class Generation:
         self.done: asyncio.Future[None] = self._loop.create_future()
 
     def start(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
-              session_id: str | None, ignore_eos: bool) -> None:
+              stop_token_ids: tuple[int, ...], session_id: str | None, ignore_eos: bool) -> None:
         """Submit to the runner; raises Pt2ServeError for a request it refuses."""
         self.handle = self._runner.submit(
-            prompt_ids, max_new_tokens=max_tokens, sampling=sampling, stop_strings=stop, session_id=session_id,
-            ignore_eos=ignore_eos, on_event=self._from_engine,
+            prompt_ids, max_new_tokens=max_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
+            stop_strings=stop, session_id=session_id, ignore_eos=ignore_eos, on_event=self._from_engine,
         )
 
     @property
@@ -58,12 +58,14 @@ class Generation:
         assert self.handle is not None
         return Usage(len(self.handle.prompt_ids), len(self.token_ids), self.handle.stats.reused_tokens)
 
-    async def events(self) -> AsyncIterator[StreamEvent]:
-        """Events as they come, ending with the one that carries the finish reason."""
+    async def event_batches(self) -> AsyncIterator[list[StreamEvent]]:
+        """Events as they come, all those waiting at once in one batch; the last ends with the finish event."""
         while True:
-            event = await self._queue.get()
-            yield event
-            if event.finish_reason is not None:
+            batch = [await self._queue.get()]
+            while batch[-1].finish_reason is None and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            yield batch
+            if batch[-1].finish_reason is not None:
                 return
 
     def cancel(self) -> None:

@@ -1,22 +1,24 @@
 """Prometheus metrics on a private registry: request counters and latency histograms, updated as requests
-finish, and runner gauges read from `runner.stats` when /metrics is scraped."""
+finish; runner gauges read from `runner.stats`, device memory and the process's own (RSS, CPU, open
+files) read when /metrics is scraped."""
 
 from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pt2serve.runtime.runner import RunnerStats
+from pt2serve.runtime.runner import Runner, RunnerStats
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], RunnerStats | None]) -> None:
+    def __init__(self, runner: Callable[[], Runner | None]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("pt2serve_requests", "Requests that ended, by finish reason.", ["finish_reason"],
@@ -31,7 +33,8 @@ class ServerMetrics:
                               "token.", buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("pt2serve_time_per_output_token_seconds", "Mean time between a request's tokens "
                               "after the first.", buckets=TPOT_BUCKETS, registry=r)
-        r.register(_RunnerCollector(stats))
+        r.register(_RunnerCollector(runner))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (Linux)
 
     def request_finished(self, finish_reason: str, prompt_tokens: int, cached_tokens: int,
                          completion_tokens: int, ttft: float | None, tpot: float | None) -> None:
@@ -59,17 +62,39 @@ class _RunnerCollector(Collector):
         ("pt2serve_requests_running", "Sequences holding KV cells.", "num_running"),
         ("pt2serve_kv_cells_used", "KV cells in use (requests, sessions, prefix cache).", "cells_used"),
         ("pt2serve_kv_cells_free", "KV cells free.", "cells_free"),
+        ("pt2serve_kv_cells_leaked", "KV cells in use that no request, session or prefix-cache entry holds, "
+         "counted while idle (0 unless cells leak).", "cells_leaked"),
         ("pt2serve_prefix_cache_hit_rate", "Share of prefix-cache lookups that hit.", "prefix_cache_hit_rate"),
     )
+    _COUNTERS = (
+        ("pt2serve_preemptions", "Running requests whose cells were taken to make room (recomputed later).",
+         "num_preemptions"),
+    )
+    # torch's caching allocator on the runner's GPU; absent on the CPU, where process RSS tells the story.
+    _DEVICE_MEMORY = (
+        ("pt2serve_device_memory_allocated_bytes", "Device memory held by tensors.", torch.cuda.memory_allocated),
+        ("pt2serve_device_memory_reserved_bytes", "Device memory reserved by the caching allocator.",
+         torch.cuda.memory_reserved),
+        ("pt2serve_device_memory_peak_reserved_bytes", "Most device memory ever reserved.",
+         torch.cuda.max_memory_reserved),
+    )
 
-    def __init__(self, stats: Callable[[], RunnerStats | None]) -> None:
-        self._stats = stats
+    def __init__(self, runner: Callable[[], Runner | None]) -> None:
+        self._runner = runner
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         for name, help_text, _ in self._GAUGES:
             yield GaugeMetricFamily(name, help_text)
+        for name, help_text, _ in self._COUNTERS:
+            yield CounterMetricFamily(name, help_text)
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        stats = self._stats() or RunnerStats()
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        runner = self._runner()
+        stats = runner.stats if runner is not None else RunnerStats()
         for name, help_text, attribute in self._GAUGES:
             yield GaugeMetricFamily(name, help_text, value=float(getattr(stats, attribute)))
+        for name, help_text, attribute in self._COUNTERS:
+            yield CounterMetricFamily(name, help_text, value=float(getattr(stats, attribute)))
+        if runner is not None and runner.executor.device.type == "cuda":
+            for name, help_text, read in self._DEVICE_MEMORY:
+                yield GaugeMetricFamily(name, help_text, value=float(read(runner.executor.device)))

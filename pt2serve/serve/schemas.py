@@ -15,6 +15,7 @@ from pt2serve.runtime.sampling import MAX_TEMPERATURE
 from pt2serve.serve.errors import ApiError, bad_request
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 16
 MAX_SESSION_ID_CHARS = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -36,6 +37,7 @@ class _Common(BaseModel):
     top_k: int | None = Field(None, ge=0)  # extension: 0 means no limit
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: Any = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # extension, as vLLM's
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
     n: int | None = Field(None, ge=1)
@@ -75,6 +77,7 @@ class GenerationRequest:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]  # end the request when one is generated (its text is kept)
     stream: bool
     include_usage: bool
     session_id: str | None
@@ -145,6 +148,7 @@ def _request(body: _Common, *, max_tokens: int | None, prompt=None, messages=Non
         top_k=body.top_k or 0,
         seed=body.seed,
         stop=_stop(body.stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
         stream=bool(body.stream),
         include_usage=bool(options and options.include_usage),
         session_id=body.session_id,
