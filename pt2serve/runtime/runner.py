@@ -302,7 +302,7 @@ class Runner:
         try:
             pending = self.executor.launch(self.scheduler.executor_chunks(plan))
         except Exception as err:  # a failing step fails its requests, not the engine
-            self._fail(plan, err)
+            self._fail_step(plan, err)
             return None
         return _InFlight(plan, pending, started)
 
@@ -311,7 +311,7 @@ class Runner:
         try:
             result = step.pending.result()
         except Exception as err:
-            self._fail(step.plan, err)
+            self._fail_step(step.plan, err)
             return
         seconds = time.perf_counter() - step.launched
         plan = step.plan
@@ -321,7 +321,8 @@ class Runner:
         for event in self.scheduler.commit(plan, result.tokens):
             self._on_token(event.request_id, event.token, event.finish_reason)
 
-    def _fail(self, plan: StepPlan, err: Exception) -> None:
+    def _fail_step(self, plan: StepPlan, err: Exception) -> None:
+        """A step failed on the device: exactly its requests end with the error."""
         message = f"{type(err).__name__}: {err}"
         for request_id in self.scheduler.fail(plan, message):
             self._emit_final(request_id, FinishReason.ERROR, message)
@@ -331,7 +332,7 @@ class Runner:
         try:
             text, hit_stop = self._text(live, token, is_final=finish_reason is not None)
         except Exception as err:  # a failing tokenizer fails its own request, not the engine
-            self._fail(request_id, token, f"detokenizing failed: {type(err).__name__}: {err}")
+            self._fail_request(request_id, token, f"detokenizing failed: {type(err).__name__}: {err}")
             return
         if hit_stop and finish_reason is None:
             self.scheduler.finish(request_id, FinishReason.STOP)
@@ -361,11 +362,11 @@ class Runner:
         try:
             text, _ = self._text(live, None, is_final=True)
         except Exception as err:
-            self._fail(request_id, None, f"detokenizing failed: {type(err).__name__}: {err}")
+            self._fail_request(request_id, None, f"detokenizing failed: {type(err).__name__}: {err}")
             return
         self._deliver(request_id, StreamEvent(None, text, reason, error))
 
-    def _fail(self, request_id: int, token: int | None, error: str) -> None:
+    def _fail_request(self, request_id: int, token: int | None, error: str) -> None:
         """End one request with an error that is its own (its tokenizer or callback failed)."""
         self.scheduler.finish(request_id, FinishReason.ERROR)  # a no-op when it already finished
         if request_id in self._live:
@@ -381,7 +382,7 @@ class Runner:
             live.handle._deliver(event)
         except Exception as err:  # a caller's callback that raises ends its own request, not the engine
             if event.finish_reason is None:
-                self._fail(request_id, None, f"the event callback raised {type(err).__name__}: {err}")
+                self._fail_request(request_id, None, f"the event callback raised {type(err).__name__}: {err}")
 
     def _update_stats(self) -> None:
         allocator = self.scheduler.allocator
