@@ -15,4 +15,5 @@ python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache --preset t
 echo "export seconds: $(( $(date +%s) - start ))"
 python3 scripts/device/method_check.py /tmp/toy-$DTYPE.pt2 toy-greedy
 python3 scripts/device/graphs_check.py /tmp/toy-$DTYPE.pt2
+python3 scripts/device/runner_check.py /tmp/toy-$DTYPE.pt2
 python3 scripts/device/attention_check.py ${ATTENTION_CHECK_FLAGS:-}
