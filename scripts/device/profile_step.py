@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pt2serve.runtime.artifact import load_artifact
