@@ -202,3 +202,22 @@ def test_stop_strings_end_the_text(tiny_runner):
     stopped = tiny_runner.generate("stop test", max_new_tokens=30, ignore_eos=True, stop_strings=(stop,))
     assert stopped.finish_reason is FinishReason.STOP
     assert stopped.text == free.text[: free.text.index(stop)]
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop(tiny_runner):
+    """The token that completes a stop string is also the last one max_new_tokens allows: the text is cut
+    and the finish reason is still "stop" (not "length")."""
+    free = tiny_runner.submit("stop test", max_new_tokens=30, ignore_eos=True)
+    deltas = [event.text for event in free.events(timeout=60) if event.token_id is not None]
+    # The first token from the 5th on whose text ends a two-character stop string seen nowhere earlier.
+    for last in range(5, len(deltas) + 1):
+        text = "".join(deltas[:last])
+        stop = text[-2:]
+        if deltas[last - 1] and len(stop) == 2 and text.find(stop) == len(text) - 2:
+            break
+    else:
+        pytest.fail(f"no token ends a fresh stop string in {deltas}")
+    stopped = tiny_runner.generate("stop test", max_new_tokens=last, ignore_eos=True, stop_strings=(stop,))
+    assert stopped.stats.completion_tokens == last
+    assert stopped.text == text[:-2]
+    assert stopped.finish_reason is FinishReason.STOP

@@ -287,8 +287,10 @@ class Runner:
         live = self._live[request_id]
         text = live.decoder.push(token) if live.decoder is not None else ""
         text, hit_stop = live.stops.feed(text, is_final=finish_reason is not None)
-        if hit_stop and finish_reason is None:
-            self.scheduler.finish(request_id, FinishReason.STOP)
+        if hit_stop:
+            if finish_reason is None:
+                self.scheduler.finish(request_id, FinishReason.STOP)
+            # Also when the same token reached the length limit: the text ends at the stop string.
             finish_reason = FinishReason.STOP
         self._deliver(request_id, StreamEvent(token, text, finish_reason))
 
