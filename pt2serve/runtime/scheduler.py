@@ -211,6 +211,7 @@ class Scheduler:
         """Free a running request's cells; it is recomputed (prompt and generated tokens) later."""
         self.allocator.free(request.cells.truncate(0))
         request.num_computed = 0
+        request.stats.preemptions += 1
         self._running.remove(request.id)
         self._waiting.appendleft(request.id)
         request.status = RequestStatus.WAITING
