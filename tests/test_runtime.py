@@ -1,25 +1,19 @@
 """The executor on the toy-greedy artifact (whose greedy continuation is known), the device sampler against
-a host reference, the cell allocator, and the loader's refusal of damaged artifacts."""
+a host reference and hand-computed draws, and the cell allocator."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import shutil
-import subprocess
-import sys
-import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS
-from pt2serve.contract import FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, SCRATCH_CELL, forward_name
+from pt2serve.contract import FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, SCRATCH_CELL
 from pt2serve.model.eager import EagerSequence, greedy_generate
 from pt2serve.model.presets import build_preset_model, toy_greedy_continuation, toy_successor
 from pt2serve.runtime.artifact import load_artifact, read_metadata
@@ -548,132 +542,3 @@ def test_clone_sees_the_shared_prefix(executor, toy_model):
 
     allocator.free(clone.cells)
     assert allocator.num_used == 0
-
-
-# ------------------------------------------------------------------------------------ bad artifacts
-
-
-def rewrite_zip(src: Path, dst: Path, drop=lambda name: False, replace: dict | None = None) -> None:
-    """Copy a zip record by record (kept ZIP_STORED), dropping or replacing some."""
-    replace = replace or {}
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", compression=zipfile.ZIP_STORED) as zout:
-        for info in zin.infolist():
-            if drop(info.filename):
-                continue
-            data = replace.get(info.filename.split("/", 1)[-1])
-            zout.writestr(info.filename, data if data is not None else zin.read(info.filename),
-                          compress_type=zipfile.ZIP_STORED)
-
-
-def metadata_record(path: Path) -> tuple[str, dict]:
-    with zipfile.ZipFile(path) as archive:
-        name = next(n for n in archive.namelist() if n.split("/", 1)[-1] == "extra/pt2serve.json")
-        return name, json.loads(archive.read(name))
-
-
-def with_metadata(src: Path, dst: Path, edit) -> None:
-    name, meta = metadata_record(src)
-    edit(meta)
-    rewrite_zip(src, dst, replace={name.split("/", 1)[-1]: json.dumps(meta).encode()})
-
-
-def make_bad_artifacts(src: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
-    """name -> (path, text the error must contain)."""
-    meta = read_metadata(src).raw
-    cases = {}
-
-    truncated = tmp / "truncated.pt2"
-    data = src.read_bytes()
-    truncated.write_bytes(data[: len(data) // 2])
-    cases["truncated"] = (truncated, "not a readable .pt2 package")
-
-    tampered = tmp / "tampered.pt2"
-    shutil.copy(src, tampered)
-    weight = max(meta["weights"], key=lambda w: int(np.prod(w["shape"])))
-    with zipfile.ZipFile(src) as archive:
-        info = next(i for i in archive.infolist() if i.filename.split("/", 1)[-1] == weight["record"])
-    with open(tampered, "r+b") as file:
-        file.seek(info.header_offset)
-        header = file.read(30)
-        name_length = int.from_bytes(header[26:28], "little")
-        extra_length = int.from_bytes(header[28:30], "little")
-        at = info.header_offset + 30 + name_length + extra_length + info.file_size // 2
-        file.seek(at)
-        byte = file.read(1)
-        file.seek(at)
-        file.write(bytes([byte[0] ^ 0x5A]))
-    cases["tampered-weights"] = (tampered, "content hash")
-
-    internal = meta["methods"][forward_name(2)]["internal_name"]
-    missing_method = tmp / "missing-method.pt2"
-    rewrite_zip(src, missing_method, drop=lambda n: n.split("/", 1)[-1].startswith(f"data/aotinductor/{internal}/"))
-    cases["missing-method"] = (missing_method, "forward_2")
-
-    missing_weight = tmp / "missing-weight.pt2"
-    dropped = meta["weights"][0]
-    rewrite_zip(src, missing_weight, drop=lambda n: n.split("/", 1)[-1] == dropped["record"])
-    cases["missing-weight"] = (missing_weight, f"weight {dropped['name']} is missing")
-
-    other_format = tmp / "other-format.pt2"
-    with_metadata(src, other_format, lambda m: m.update(format_version=m["format_version"] + 1))
-    cases["other-format-version"] = (other_format, "artifact format")
-
-    other_torch = tmp / "other-torch.pt2"
-    major = int(torch.__version__.split(".")[0])
-    with_metadata(src, other_torch, lambda m: m["built_with"].update(torch=f"{major - 1}.0.1+cpu"))
-    cases["other-torch"] = (other_torch, f"built with torch {major - 1}.0.1")
-
-    foreign_libstdcxx = tmp / "foreign-libstdcxx.pt2"
-    with_metadata(src, foreign_libstdcxx,
-                  lambda m: m["built_with"].update(libstdcxx_mismatch="the C++ compiler 'g++' links /opt/x"))
-    cases["foreign-libstdcxx"] = (foreign_libstdcxx, "CXX=/usr/bin/g++")
-
-    not_zip = tmp / "not-a-zip.pt2"
-    not_zip.write_bytes(b"this is not a zip archive\n" * 100)
-    cases["not-a-zip"] = (not_zip, "not a readable .pt2 package")
-
-    cases["no-such-path"] = (tmp / "does-not-exist.pt2", "does not exist")
-
-    # A clean rewrite loads: the damage above, not the rewriting, is what the loader refuses.
-    rewritten = tmp / "rewritten.pt2"
-    rewrite_zip(src, rewritten)
-    cases["rewritten-ok"] = (rewritten, "")
-    return cases
-
-
-@pytest.fixture(scope="module")
-def bad_artifact_results(tiny_artifact, tmp_path_factory):
-    """Load every damaged artifact in its own interpreter (a crash must not take the test run down)."""
-    tmp = tmp_path_factory.mktemp("bad-artifacts")
-    cases = make_bad_artifacts(tiny_artifact, tmp)
-    procs = {}
-    for name, (path, _) in cases.items():
-        code = f"from pt2serve.runtime.artifact import load_artifact; load_artifact({str(path)!r})"
-        procs[name] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True)
-    results = {}
-    for name, proc in procs.items():
-        try:
-            out, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        results[name] = (proc.returncode, out + err, cases[name][1])
-    return results
-
-
-@pytest.mark.parametrize(
-    "case",
-    ["truncated", "tampered-weights", "missing-method", "missing-weight", "other-format-version", "other-torch",
-     "foreign-libstdcxx", "not-a-zip", "no-such-path"],
-)
-def test_bad_artifact_is_refused_with_message(bad_artifact_results, case):
-    returncode, output, message = bad_artifact_results[case]
-    assert returncode is not None and returncode > 0, f"exit {returncode} (negative: killed by a signal):\n{output}"
-    assert "Pt2ServeError" in output, output
-    assert message in output, f"{message!r} not in:\n{output}"
-
-
-def test_rewritten_artifact_still_loads(bad_artifact_results):
-    returncode, output, _ = bad_artifact_results["rewritten-ok"]
-    assert returncode == 0, output
