@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -34,24 +35,25 @@ def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
     )
 
 
-def _exported(preset: str, tmp_path_factory) -> Path:
+def exported(name: str, options_for: Callable[[Path], ExportOptions], tmp_path_factory) -> Path:
+    """The artifact `name`, exported with `options_for(path)` unless PT2SERVE_TEST_ARTIFACTS already holds it."""
     keep = os.environ.get("PT2SERVE_TEST_ARTIFACTS")
     folder = Path(keep) if keep else tmp_path_factory.mktemp("artifacts")
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{preset}.pt2"
+    path = folder / f"{name}.pt2"
     if not path.exists():
-        export(export_options_for_tests(preset, path), show_progress=False)
+        export(options_for(path), show_progress=False)
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory) -> Path:
-    return _exported("tiny", tmp_path_factory)
+    return exported("tiny", lambda path: export_options_for_tests("tiny", path), tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def toy_artifact(tmp_path_factory) -> Path:
-    return _exported("toy-greedy", tmp_path_factory)
+    return exported("toy-greedy", lambda path: export_options_for_tests("toy-greedy", path), tmp_path_factory)
 
 
 def pytest_collection_modifyitems(config, items):
