@@ -35,6 +35,18 @@ def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
     )
 
 
+def stop_at_token(deltas: list[str], first: int = 5) -> tuple[int, str, str]:
+    """For per-token text deltas: the first token (counting from 1, at least `first`) whose text ends a
+    two-character stop string that occurs nowhere earlier; returns (that token's number, the text up to
+    and with it, the stop string)."""
+    for last in range(first, len(deltas) + 1):
+        text = "".join(deltas[:last])
+        stop = text[-2:]
+        if deltas[last - 1] and len(stop) == 2 and text.find(stop) == len(text) - 2:
+            return last, text, stop
+    pytest.fail(f"no token ends a fresh stop string in {deltas}")
+
+
 def exported(name: str, options_for: Callable[[Path], ExportOptions], tmp_path_factory) -> Path:
     """The artifact `name`, exported with `options_for(path)` unless PT2SERVE_TEST_ARTIFACTS already holds it."""
     keep = os.environ.get("PT2SERVE_TEST_ARTIFACTS")

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from conftest import stop_at_token
 from pt2serve.model.presets import toy_greedy_continuation
 from pt2serve.runtime.engine import describe_load, open_runner
 from pt2serve.runtime.executor import ExecutorConfig
@@ -268,15 +269,7 @@ def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop(tiny_run
     """The token that completes a stop string is also the last one max_new_tokens allows: the text is cut
     and the finish reason is still "stop" (not "length")."""
     free = tiny_runner.submit("stop test", max_new_tokens=30, ignore_eos=True)
-    deltas = [event.text for event in free.events(timeout=60) if event.token_id is not None]
-    # The first token from the 5th on whose text ends a two-character stop string seen nowhere earlier.
-    for last in range(5, len(deltas) + 1):
-        text = "".join(deltas[:last])
-        stop = text[-2:]
-        if deltas[last - 1] and len(stop) == 2 and text.find(stop) == len(text) - 2:
-            break
-    else:
-        pytest.fail(f"no token ends a fresh stop string in {deltas}")
+    last, text, stop = stop_at_token([event.text for event in free.events(timeout=60) if event.token_id is not None])
     stopped = tiny_runner.generate("stop test", max_new_tokens=last, ignore_eos=True, stop_strings=(stop,))
     assert stopped.stats.completion_tokens == last
     assert stopped.text == text[:-2]

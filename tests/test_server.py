@@ -24,6 +24,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+from conftest import stop_at_token
 from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.serve.app import attach_runner, create_app
@@ -204,6 +205,23 @@ def test_stop_string_is_honoured_and_cut(client):
                                     extra_body={"ignore_eos": True})
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
+
+
+def test_streamed_stop_strings_and_a_stop_on_the_last_allowed_token(client):
+    """Streaming with stop strings gives the non-streamed text and finish reason; a stop string completed
+    by the last token max_tokens allows still finishes with "stop"."""
+    kwargs = dict(model=MODEL, prompt="stream a stop", temperature=0, extra_body={"ignore_eos": True})
+    deltas = [c.choices[0].text for c in client.completions.create(**kwargs, max_tokens=30, stream=True)
+              if c.choices and c.choices[0].finish_reason is None]
+    last, text, stop = stop_at_token(deltas)
+    for max_tokens, expected in ((30, text[:-2]), (last, text[:-2])):
+        full = client.completions.create(**kwargs, max_tokens=max_tokens, stop=[stop, "never seen"])
+        assert (full.choices[0].text, full.choices[0].finish_reason) == (expected, "stop"), max_tokens
+        chunks = client.completions.create(**kwargs, max_tokens=max_tokens, stop=[stop, "never seen"], stream=True,
+                                           stream_options={"include_usage": True})
+        streamed, tokens, finish, usage = stream_tokens(chunks, chat=False)
+        assert (streamed, finish) == (expected, "stop"), max_tokens
+        assert tokens == usage.completion_tokens == full.usage.completion_tokens == last
 
 
 # -- concurrency --------------------------------------------------------------------------------------------
