@@ -317,9 +317,10 @@ def test_two_concurrent_requests_on_one_session(server, slow_engine):
     """Both extend the session's history at once: one reuses its cells, the other runs cold (a session
     serves one request at a time); both give the solo tokens, and the store ends holding one session."""
     prompt = [256, *b"Twins share a session"]
-    first = session_turn(httpx.Client(base_url=server), prompt, "twins")
-    follow_up = prompt + first["choices"][0]["token_ids"] + list(b" and")
-    solo = session_turn(httpx.Client(base_url=server), follow_up, None, max_tokens=20)
+    with httpx.Client(base_url=server, timeout=30) as http:
+        first = session_turn(http, prompt, "twins")
+        follow_up = prompt + first["choices"][0]["token_ids"] + list(b" and")
+        solo = session_turn(http, follow_up, None, max_tokens=20)
     before = metrics(server)["pt2serve_kv_cells_used"]
     held_before = len(prompt) + 8 - 1  # the session's cells: all but the last sampled token
 

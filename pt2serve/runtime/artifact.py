@@ -259,8 +259,10 @@ def _malformed_field(raw: dict[str, Any]) -> str | None:
     weights = raw["weights"]
     if not isinstance(weights, list) or not all(_is_weight_entry(entry) for entry in weights):
         return f"weights is not a list of {{name, dtype ({', '.join(_DTYPES)}), shape, record}}"
-    if not isinstance(raw["model_config"], dict) or not isinstance(raw["content_hash"], str):
-        return "model_config or content_hash is not what export writes (an object and a string)"
+    if not isinstance(raw["model_config"], dict):
+        return "model_config is not an object"
+    if not isinstance(raw["content_hash"], str):
+        return f"content_hash is {raw['content_hash']!r}, not a string"
     built = raw["built_with"]
     if not isinstance(built, dict) or not isinstance(built.get("torch"), str):
         return "built_with does not give the torch version"
