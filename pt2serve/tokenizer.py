@@ -82,17 +82,17 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for a chat; the template adds bos itself when it wants one."""
+        """The prompt text for a chat; a checkpoint's template writes bos itself when it wants one."""
         try:
             return self._chat.render(messages=messages, add_generation_prompt=True, **self.files.special_tokens)
         except jinja2.TemplateError as err:
             raise Pt2ServeError(f"chat template failed: {err}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.render_chat(messages)
-        bos_text = self.files.special_tokens.get("bos_token")
-        # A template that writes the bos text already starts the prompt with it: do not add a second.
-        return self.encode(text, add_bos=not (bos_text and text.startswith(bos_text)))
+        # As transformers' apply_chat_template: a checkpoint's template writes every special token the
+        # model wants (a ChatML template on a tokenizer with a bos gets none); the plain fallback writes
+        # none, so the prompt starts with bos as encoded text does.
+        return self.encode(self.render_chat(messages), add_bos=self.files.chat_template is None)
 
 
 def _raise_template_error(message: str) -> None:

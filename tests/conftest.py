@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -51,25 +52,37 @@ def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
     )
 
 
-def exported(preset: str, tmp_path_factory, label: str | None = None, **overrides) -> Path:
-    """The preset exported with the test options (and `overrides`), once per run, or once if kept."""
+def stop_at_token(deltas: list[str], first: int = 5) -> tuple[int, str, str]:
+    """For per-token text deltas: the first token (counting from 1, at least `first`) whose text ends a
+    two-character stop string that occurs nowhere earlier; returns (that token's number, the text up to
+    and with it, the stop string)."""
+    for last in range(first, len(deltas) + 1):
+        text = "".join(deltas[:last])
+        stop = text[-2:]
+        if deltas[last - 1] and len(stop) == 2 and text.find(stop) == len(text) - 2:
+            return last, text, stop
+    pytest.fail(f"no token ends a fresh stop string in {deltas}")
+
+
+def exported(name: str, options_for: Callable[[Path], ExportOptions], tmp_path_factory) -> Path:
+    """The artifact `name`, exported with `options_for(path)` unless PT2SERVE_TEST_ARTIFACTS already holds it."""
     keep = os.environ.get("PT2SERVE_TEST_ARTIFACTS")
     folder = Path(keep) if keep else tmp_path_factory.mktemp("artifacts")
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{label or preset}.pt2"
+    path = folder / f"{name}.pt2"
     if not path.exists():
-        export(dataclasses.replace(export_options_for_tests(preset, path), **overrides), show_progress=False)
+        export(options_for(path), show_progress=False)
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory) -> Path:
-    return exported("tiny", tmp_path_factory)
+    return exported("tiny", lambda path: export_options_for_tests("tiny", path), tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def toy_artifact(tmp_path_factory) -> Path:
-    return exported("toy-greedy", tmp_path_factory)
+    return exported("toy-greedy", lambda path: export_options_for_tests("toy-greedy", path), tmp_path_factory)
 
 
 @pytest.fixture()

@@ -21,7 +21,7 @@ from pt2serve.bench import RequestsOptions, SweepOptions, drive_runner, run_requ
 from pt2serve.bench.options import parse_tokens, resolve_tokens
 from pt2serve.bench.peer import EagerPeer
 from pt2serve.bench.requests_mode import RequestTiming, arrival_times, summarise
-from pt2serve.bench.roofline import MachineLimits, ModelCost
+from pt2serve.bench.roofline import MachineLimits, ModelCost, step_cost
 from pt2serve.bench.sweep import RowPlan, _analyse, plan_row
 from pt2serve.bench.timing import StepShape, StepTiming
 from pt2serve.cli import app
@@ -69,12 +69,9 @@ def test_sweep_rows_are_exactly_t_wide(sweep_result, executor):
         assert row.measured_steps == 3
         assert row.widths == [row.tokens] * 3
         assert row.decodes == [row.num_decode] * 3
-        assert row.interval_seconds >= row.executor_seconds > 0
-        assert row.tokens_per_second == pytest.approx(row.tokens / row.interval_seconds)
-        assert row.limit_seconds == max(row.memory_seconds, row.compute_seconds) > 0
-        assert 0 < row.fraction_of_limit == pytest.approx(row.limit_seconds / row.interval_seconds)
-        assert row.eager_seconds > 0
-        assert row.speedup_over_eager == pytest.approx(row.eager_seconds / row.executor_seconds)
+        assert row.interval_seconds >= row.executor_seconds > 0  # the interval holds the step
+        assert row.tokens_per_second > 0 and row.limit_seconds > 0 and row.fraction_of_limit > 0
+        assert row.eager_seconds > 0 and row.speedup_over_eager > 0
     kinds = {row.tokens: (row.kind, row.num_decode) for row in sweep_result.rows}
     assert kinds[16] == ("decode", 16)
     assert kinds[80] == ("mixed", 32)
@@ -129,6 +126,25 @@ def test_sweep_cli_writes_json_and_png(tiny_artifact, tmp_path):
     assert out_png.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_sweep_without_eager_peer_and_cuda_graphs(tiny_artifact, tmp_path, monkeypatch):
+    """--no-eager-peer leaves the eager columns empty (no peer is built); --no-cuda-graphs reaches the
+    executor's config (on a GPU, tests/test_cuda.py checks its effect)."""
+    from pt2serve.bench import sweep
+
+    built = []
+    monkeypatch.setattr(sweep, "Executor", lambda artifact, config: built.append(config) or Executor(artifact, config))
+    monkeypatch.setattr(sweep, "EagerPeer", lambda executor: pytest.fail("--no-eager-peer built a peer"))
+    out_json = tmp_path / "sweep.json"
+    result = cli(str(tiny_artifact), "--tokens", "1,2", "--warmup", "1", "--iters", "2", "--no-eager-peer",
+                 "--no-cuda-graphs", "--json", str(out_json))
+    assert result.exit_code == 0, result.output
+    assert [config.use_cuda_graphs for config in built] == [False]
+    doc = json.loads(out_json.read_text())
+    assert doc["flags"]["eager_peer"] is False and doc["flags"]["no_cuda_graphs"] is True
+    assert [(row["eager_seconds"], row["speedup_over_eager"]) for row in doc["rows"]] == [(None, None)] * 2
+    assert all(row["tokens_per_second"] > 0 for row in doc["rows"])
+
+
 def test_eager_peer_computes_the_designed_tokens(toy_artifact):
     """The peer runs the real computation: on toy-greedy its tokens are the designed successors, for a mixed
     step of decodes and a prompt chunk, and for one wider than max_step_tokens (sliced like the executor)."""
@@ -168,6 +184,90 @@ def test_rows_with_wrong_widths_are_flagged_not_hidden():
     assert few.measured_steps == 3 and "only 3 of 10 steady steps measured" in few.flags
 
 
+def test_row_numbers_are_the_hand_computed_ones():
+    """A decode row of T=4 from made-up step times, model constants and machine limits, against numbers
+    worked out by hand (see each comment)."""
+    plan = RowPlan(tokens=4, kind="decode", num_decode=4, prompt_tokens=8, max_new_tokens=50,
+                   backlog_prompt_tokens=0, backlog_requests=0)
+    # Four decodes at position 9: 4 x 10 context cells, 4 x 10 query-key pairs.
+    decode = StepShape(width=4, num_chunks=4, num_sampled=4, context_cells=40, attention_pairs=40)
+    starts = [0.000, 0.010, 0.020, 0.032, 0.040, 0.052]
+    durations = [0.004, 0.005, 0.006, 0.008, 0.004, 0.005]
+    shapes = [StepShape(32, 4, 4, 32, 144)] + [decode] * 5  # a prefill step, then steady decodes
+    timings = [StepTiming(start, start + took, shape, ("forward_4",))
+               for start, took, shape in zip(starts, durations, shapes)]
+    history = [StepRecord(i + 1, s.width, 0 if i == 0 else 4, (), 0.0) for i, s in enumerate(shapes)]
+    cost = ModelCost(weight_bytes=1000, weight_bytes_per_call=1000, matmul_params=100, head_params=10,
+                     kv_bytes_per_cell=16, attention_flops_per_pair=8)
+    limits = MachineLimits("cpu", "fp32", memory_bandwidth=1e6, matmul_flops=1e5, copy_bytes=0, matmul_size=0,
+                           seconds=0.0)
+    row = _analyse(plan, timings, history, [], SweepOptions(warmup=1, iters=3), cost, limits)
+    # Steady from step 1; one warmup step; steps 2, 3, 4 measured (step 5 ends the last interval).
+    assert (row.steady_from, row.measured_steps, row.flags) == (1, 3, [])
+    assert row.executor_step_seconds == pytest.approx([0.006, 0.008, 0.004])
+    assert row.interval_step_seconds == pytest.approx([0.012, 0.008, 0.012])
+    assert row.executor_seconds == pytest.approx(0.006)  # medians
+    assert row.interval_seconds == pytest.approx(0.012)
+    assert row.tokens_per_second == pytest.approx(333.333, rel=1e-5)  # 4 tokens / 12 ms
+    assert row.executor_tokens_per_second == pytest.approx(666.667, rel=1e-5)  # 4 / 6 ms
+    # Bytes: 1000 of weights (one call) + 40 cells x 16 = 1640 -> 1.64 ms at 1 MB/s.
+    # FLOPs: 2 x 90 body params x 4 tokens + 2 x 10 head params x 4 rows + 8 x 40 pairs = 1120 -> 11.2 ms.
+    assert (row.bytes, row.flops) == (1640, 1120)
+    assert row.memory_seconds == pytest.approx(0.00164) and row.compute_seconds == pytest.approx(0.0112)
+    assert row.limit_seconds == pytest.approx(0.0112) and row.bound == "compute"
+    assert row.limit_tokens_per_second == pytest.approx(357.143, rel=1e-5)  # 4 / 11.2 ms
+    assert row.fraction_of_limit == pytest.approx(0.93333, rel=1e-5)  # 11.2 / 12
+    assert row.executor_fraction_of_limit == pytest.approx(1.86667, rel=1e-5)  # 11.2 / 6
+    two_calls = [StepTiming(t.start, t.end, t.shape, ("forward_others", "forward_4")) for t in timings]
+    row = _analyse(plan, two_calls, history, [], SweepOptions(warmup=1, iters=3), cost, limits)
+    assert row.bytes == 2640  # the weights are read once per compiled call
+    # A mixed step: one decode sampled, a 4-token prompt piece not. FLOPs: 2 x 90 x 5 tokens + 2 x 10 x 1
+    # sampled row (the head runs only where a token is sampled) + 8 x 20 pairs; bytes 1000 + 14 x 16.
+    mixed = step_cost(StepShape(width=5, num_chunks=2, num_sampled=1, context_cells=14, attention_pairs=20), 1,
+                      cost, limits)
+    assert (mixed.bytes, mixed.flops) == (1224, 1080)
+
+
+def test_model_cost_of_hand_made_metadata():
+    """ModelCost from a metadata document written here, against counts done by hand."""
+    def weight(name, *shape, dtype="float32"):
+        return {"name": name, "shape": list(shape), "dtype": dtype}
+
+    layer = "layers.0."
+    raw = {
+        "model_config": {"hidden_size": 8, "vocab_size": 10, "num_layers": 1, "num_heads": 2, "head_dim": 4,
+                         "tie_word_embeddings": False},
+        "cache": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "bf16"},
+        "weights": [
+            weight("embed_tokens.weight", 10, 8), weight("lm_head.weight", 10, 8), weight("norm.weight", 8),
+            weight(layer + "self_attn.qkv_proj.weight", 16, 8), weight(layer + "self_attn.o_proj.weight", 8, 8),
+            weight(layer + "mlp.gate_up_proj.weight", 32, 8), weight(layer + "mlp.down_proj.weight", 8, 16),
+            weight(layer + "input_layernorm.weight", 8), weight("inv_freq", 2),
+        ],
+    }
+    cost = ModelCost.from_metadata(raw)
+    # numel: embed 80, head 80, norms 8 + 8, qkv 128, o 64, gate_up 256, down 128, inv_freq 2 = 754 -> x 4 bytes
+    assert cost.weight_bytes == 3016
+    assert cost.weight_bytes_per_call == 3016 - 320  # the untied embedding is gathered, not read whole
+    assert cost.matmul_params == 80 + 128 + 64 + 256 + 128  # head + the layer's projections
+    assert cost.head_params == 80
+    assert cost.kv_bytes_per_cell == 16  # 1 layer x (K and V) x 1 kv head x 4 dims x 2 bytes (bf16)
+    assert cost.attention_flops_per_pair == 32  # 4 x 1 layer x 2 heads x 4 dims
+    tied = ModelCost.from_metadata({**raw, "model_config": {**raw["model_config"], "tie_word_embeddings": True},
+                                    "weights": [w for w in raw["weights"] if w["name"] != "lm_head.weight"]})
+    assert tied.weight_bytes == tied.weight_bytes_per_call == 2696  # the embedding is the head: read whole
+    assert tied.matmul_params == 80 + 128 + 64 + 256 + 128
+
+
+def test_model_cost_of_the_tiny_artifact_matches_what_loading_allocates(executor):
+    """The cost constants against independent measures: the bytes of the weights the loader read and of
+    the KV pool the executor allocated."""
+    cost = ModelCost.from_metadata(executor.artifact.metadata.raw)
+    assert cost.weight_bytes == executor.artifact.report.weight_bytes
+    assert cost.kv_bytes_per_cell * executor.memory.num_cells == executor.memory.pool_bytes
+    assert cost.head_params == executor.artifact.weights["lm_head.weight"].numel()
+
+
 # -- requests -----------------------------------------------------------------------------------------------
 
 
@@ -191,7 +291,7 @@ def test_requests_cli_poisson_in_process(tiny_artifact, tmp_path):
     for r in doc["requests"]:
         assert r["output_tokens"] == 5
         assert 0 <= r["ttft"] <= r["e2e"]
-        assert r["tpot"] == pytest.approx((r["end"] - r["first_token"]) / 4)
+        assert r["tpot"] > 0  # its formula: test_arrivals_and_summary, on hand-computed numbers
     assert out_png.read_bytes()[:8] == PNG_MAGIC
 
 
@@ -209,7 +309,9 @@ def test_arrivals_and_summary():
     assert s["completed"] == 2 and s["failed"] == 1 and s["output_tokens"] == 6
     assert s["duration_seconds"] == pytest.approx(1.0)
     assert s["ttft_seconds"]["p50"] == pytest.approx(0.15)
-    assert s["tpot_seconds"]["count"] == 1 and s["tpot_seconds"]["p50"] == pytest.approx(0.1)
+    assert s["tpot_seconds"]["count"] == 1 and s["tpot_seconds"]["p50"] == pytest.approx(0.1)  # 0.4 s / 4 gaps
+    assert s["e2e_seconds"]["p50"] == pytest.approx(0.65)  # 0.5 and 0.8
+    assert s["output_tokens_per_second"] == pytest.approx(6.0)  # 6 tokens from 0.0 to 1.0 s
 
 
 # -- the URL client -----------------------------------------------------------------------------------------
@@ -324,19 +426,13 @@ def test_url_unreachable_is_a_clear_error(tmp_path):
 # -- pieces -------------------------------------------------------------------------------------------------
 
 
-def test_step_shape_and_model_cost(tiny_artifact):
+def test_step_shape():
     chunks = [Chunk(np.arange(10), (5,), 9, SamplingParams()),  # a decode at position 9: context 10
               Chunk(np.arange(4), (1, 2, 3, 4), 0, None)]  # a 4-token prefill piece
     shape = StepShape.of(chunks)
     assert (shape.width, shape.num_chunks, shape.num_sampled) == (5, 2, 1)
-    assert shape.context_cells == 10 + 4
-    assert shape.attention_pairs == 10 + (1 + 2 + 3 + 4)
-    raw = read_metadata(tiny_artifact).raw
-    cost = ModelCost.from_metadata(raw)
-    cfg = raw["model_config"]
-    assert cost.kv_bytes_per_cell == cfg["num_layers"] * 2 * cfg["num_kv_heads"] * cfg["head_dim"] * 4
-    assert cost.head_params == cfg["hidden_size"] * cfg["vocab_size"]
-    assert cost.head_params < cost.matmul_params and cost.weight_bytes_per_call <= cost.weight_bytes
+    assert shape.context_cells == 14  # 10 + 4
+    assert shape.attention_pairs == 20  # the decode sees 10; the prefill tokens 1, 2, 3, 4
 
 
 def test_row_plans(tiny_artifact):

@@ -32,7 +32,7 @@ from pt2serve.contract import (
 from pt2serve.export.exporter import model_weights
 from pt2serve.export.methods import MethodSpec, trace_forward
 from pt2serve.export.options import DEFAULT_FORWARD_SIZES, DEFAULT_MIN_PREFILL_CHUNK, ExportOptions
-from pt2serve.export.package import weights_hash
+from pt2serve.export.package import tensor_bytes, weights_hash
 from pt2serve.model.eager import EagerSequence
 from pt2serve.model.presets import build_preset_model, byte_tokenizer_files, get_preset
 from pt2serve.runtime.artifact import load_artifact, read_metadata
@@ -330,6 +330,26 @@ def test_package_size_and_weights_stored_once(tiny_artifact, model):
     accounted = sum(per_method.values()) + sum(i.compress_size for i in weight_records)
     others = sum(i.compress_size for i in infos) - accounted
     assert others < 200_000, f"{others} B in records that are neither weights nor methods"
+
+
+def test_no_method_holds_a_copy_of_a_weight(tiny_artifact, model):
+    """Weights are stored once: bytes taken from the middle of every weight matrix are found in that
+    weight's own record and in no other record. The size budget above cannot show this for the tiny
+    preset (its 0.48 MB of weights copied into all ten methods would still fit), this can: a method that
+    embedded the weights (in its .so, or a data file beside it) would hold these bytes."""
+    needles = {}
+    for name, tensor in model_weights(model).items():
+        if tensor.dim() == 2:  # random matrices: a 64-byte window occurs once
+            data = tensor_bytes(tensor)
+            needles[name] = bytes(data[len(data) // 2:len(data) // 2 + 64])
+    assert len(needles) >= 2 * model.config.num_layers + 1
+    with zipfile.ZipFile(tiny_artifact) as archive:
+        for info in archive.infolist():
+            record = info.filename.split("/", 1)[-1]
+            data = archive.read(info.filename)
+            for name, needle in needles.items():
+                expected = record == WEIGHTS_PREFIX + name
+                assert (needle in data) == expected, f"{record} {'lacks' if expected else 'holds'} bytes of {name}"
 
 
 def test_package_is_readable_like_any_new_file(tiny_artifact):

@@ -5,6 +5,7 @@ peer runs them, and `bench --mode quality` compares them with the float export."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import exported
+from conftest import export_options_for_tests, exported
+from pt2serve.export.options import ExportOptions
 from pt2serve.bench.quality import QualityOptions, kl_and_agreement, run_quality
 from pt2serve.contract import FORWARD_OTHERS, forward_name
 from pt2serve.model.checkpoint import load_model
@@ -35,12 +37,16 @@ INT8 = dict(quantize="int8")
 
 @pytest.fixture(scope="module")
 def int8_artifact(tmp_path_factory) -> Path:
-    return exported("toy-greedy", tmp_path_factory, "toy-greedy-int8", forward_sizes=SIZES, **INT8)
+    return exported("toy-greedy-int8", lambda path: quantized_options(path, **INT8), tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def int4_artifact(tmp_path_factory) -> Path:
-    return exported("toy-greedy", tmp_path_factory, "toy-greedy-int4-all", forward_sizes=SIZES, **INT4)
+    return exported("toy-greedy-int4-all", lambda path: quantized_options(path, **INT4), tmp_path_factory)
+
+
+def quantized_options(path: Path, **quantize) -> ExportOptions:
+    return dataclasses.replace(export_options_for_tests("toy-greedy", path), forward_sizes=SIZES, **quantize)
 
 
 @pytest.mark.parametrize("use_static_methods", [True, False], ids=["static", "forward_others"])

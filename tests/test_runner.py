@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from conftest import stop_at_token
 from pt2serve.model.presets import toy_greedy_continuation
 from pt2serve.runtime.engine import describe_load, open_runner
 from pt2serve.runtime.executor import ExecutorConfig
@@ -114,21 +115,53 @@ def test_prefix_cache_reuses_the_longest_prefix(toy_artifact):
         runner.close()
 
 
-def test_cancel_mid_decode_and_mid_prefill_frees_every_cell(toy_runner):
-    wait_until_idle(toy_runner)
-    baseline = toy_runner.executor.allocator.num_used  # sessions kept by earlier tests
-    decoding = toy_runner.submit([256, 5], max_new_tokens=200)
-    events = decoding.events(timeout=30)
-    next(events)
-    next(events)
-    toy_runner.cancel(decoding)
-    assert decoding.result(timeout=30).finish_reason is FinishReason.CANCELLED
-    long_prompt = [random.Random(1).randrange(256) for _ in range(200)]
-    prefilling = toy_runner.submit(long_prompt, max_new_tokens=5)
-    toy_runner.cancel(prefilling)
-    assert prefilling.result(timeout=30).finish_reason is FinishReason.CANCELLED
-    wait_until_idle(toy_runner)
-    assert toy_runner.executor.allocator.num_used == baseline
+def test_cancel_mid_prefill_and_mid_decode_frees_cells_and_spares_the_others(toy_artifact):
+    """Cancels land between steps: one after part (not all) of a 200-token prompt is in cells, one after a
+    few decoded tokens, while two other requests run. Before every step the pool holds exactly the cells
+    of the live requests (a cancelled one's are freed at once), and the others' tokens are their solo ones."""
+    runner = open_runner(toy_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
+    real_step = runner.executor.step
+    long_prompt = [random.Random(1).randrange(256) for _ in range(200)]  # four steps of prefill at most
+    targets: dict[str, object] = {}
+    leaks: list[str] = []
+
+    def step_and_cancel(chunks):
+        # The engine thread, before a step: check the pool, and send the cancels once their moment comes.
+        scheduler = runner.scheduler
+        held = sum(r.cells.length for r in scheduler.requests.values())
+        if runner.executor.allocator.num_used != held:
+            leaks.append(f"step {scheduler.step}: {runner.executor.allocator.num_used} cells used, {held} held")
+        for name, done in (("prefilling", lambda r: 0 < r.num_computed < r.num_prompt),
+                           ("decoding", lambda r: len(r.tokens) - r.num_prompt >= 3)):
+            handle = targets.get(name)
+            request = scheduler.requests.get(handle.id) if handle is not None else None
+            if request is not None and done(request) and name not in targets.get("sent", ()):
+                targets.setdefault("sent", set()).add(name)
+                runner.cancel(handle)
+        return real_step(chunks)
+
+    runner.executor.step = step_and_cancel
+    try:
+        others = [[256, 1, 2, 3], [256, 9]]
+        other_handles = [runner.submit(p, max_new_tokens=40) for p in others]
+        targets["decoding"] = runner.submit([256, 5], max_new_tokens=200)
+        targets["prefilling"] = runner.submit(long_prompt, max_new_tokens=5)
+        prefilling = targets["prefilling"].result(timeout=60)
+        decoding = targets["decoding"].result(timeout=60)
+        assert prefilling.finish_reason is FinishReason.CANCELLED and prefilling.token_ids == []
+        assert 0 < prefilling.stats.prefilled_tokens < len(long_prompt), prefilling.stats
+        assert decoding.finish_reason is FinishReason.CANCELLED
+        assert 3 <= len(decoding.token_ids) < 200
+        assert decoding.token_ids == toy_greedy_continuation([256, 5], len(decoding.token_ids))
+        for prompt, handle in zip(others, other_handles):
+            result = handle.result(timeout=60)
+            assert result.finish_reason is FinishReason.LENGTH
+            assert result.token_ids == toy_greedy_continuation(prompt, 40)
+        wait_until_idle(runner)
+        assert leaks == []
+        assert runner.executor.allocator.num_used == 0
+    finally:
+        runner.close()
 
 
 def test_two_hundred_mixed_requests_leave_the_pool_empty(toy_artifact):
@@ -137,14 +170,42 @@ def test_two_hundred_mixed_requests_leave_the_pool_empty(toy_artifact):
     try:
         rng = random.Random(7)
         handles = []
-        for prompt in prompts(200, seed=11):
-            handle = runner.submit(prompt, max_new_tokens=rng.randint(1, 12),
-                                   sampling=SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(99)))
-            handles.append(handle)
+        batch = prompts(200, seed=11)
+        for prompt in batch:
+            sampling = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(99))
+            handle = runner.submit(prompt, max_new_tokens=rng.randint(1, 12), sampling=sampling)
+            handles.append((handle, sampling))
             if rng.random() < 0.2:
                 runner.cancel(handle)
-        reasons = {h.result(timeout=300).finish_reason for h in handles}
-        assert reasons <= {FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.STOP}
+        results = [h.result(timeout=300) for h, _ in handles]
+        assert {r.finish_reason for r in results} <= {FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.STOP}
+        # Every greedy output, preempted or not, is its solo run (toy-greedy's designed continuation);
+        # a cancelled one is a prefix of it.
+        preempted_greedy = 0
+        for prompt, (_, sampling), result in zip(batch, handles, results):
+            if sampling.is_greedy:
+                assert result.token_ids == toy_greedy_continuation(prompt, len(result.token_ids))
+                preempted_greedy += result.stats.preemptions > 0 and result.finish_reason is FinishReason.LENGTH
+        assert preempted_greedy >= 10, f"only {preempted_greedy} greedy requests were preempted: no pressure"
+        wait_until_idle(runner)
+        assert runner.executor.allocator.num_used == 0
+    finally:
+        runner.close()
+
+
+def test_requests_preempted_while_decoding_produce_their_solo_tokens(toy_artifact):
+    """Short prompts, long outputs, a small pool: decoding requests run the pool dry and are preempted with
+    tokens already generated; each recomputes its prompt and its own tokens and goes on exactly as alone."""
+    runner = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=400),
+                         runner_config=RunnerConfig(token_budget=64))
+    try:
+        batch = prompts(24, seed=3)
+        batch = [p[:10] for p in batch]
+        handles = [runner.submit(p, max_new_tokens=60) for p in batch]
+        results = [h.result(timeout=300) for h in handles]
+        for prompt, result in zip(batch, results):
+            assert result.token_ids == toy_greedy_continuation(prompt, 60)
+        assert sum(r.stats.preemptions for r in results) >= 10
         wait_until_idle(runner)
         assert runner.executor.allocator.num_used == 0
     finally:
@@ -246,3 +307,14 @@ def test_the_next_step_is_launched_before_the_last_ones_ids_are_read(toy_artifac
     # Every step that has a successor was still unread when that successor was launched (the engine only
     # waits on a step with nothing else to launch: at the very end).
     assert len(overlapped) == len(launches) - 1
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop(tiny_runner):
+    """The token that completes a stop string is also the last one max_new_tokens allows: the text is cut
+    and the finish reason is still "stop" (not "length")."""
+    free = tiny_runner.submit("stop test", max_new_tokens=30, ignore_eos=True)
+    last, text, stop = stop_at_token([event.text for event in free.events(timeout=60) if event.token_id is not None])
+    stopped = tiny_runner.generate("stop test", max_new_tokens=last, ignore_eos=True, stop_strings=(stop,))
+    assert stopped.stats.completion_tokens == last
+    assert stopped.text == text[:-2]
+    assert stopped.finish_reason is FinishReason.STOP

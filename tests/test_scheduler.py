@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import zlib
+
 import pytest
 
 from pt2serve.runtime.cells import CellAllocator
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec, RequestStatus
 from pt2serve.runtime.sampling import RequestRandom
 from pt2serve.runtime.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig
+from pt2serve.runtime.step import Chunk
 
 NEXT_TOKEN = 5
 
@@ -103,20 +108,75 @@ def test_finish_by_length_and_stop_token_frees_cells():
     assert scheduler.allocator.num_used == 0
 
 
-def test_preemption_when_the_pool_runs_dry_recomputes_later():
-    scheduler = make_scheduler(num_cells=40, budget=32, min_chunk=1)
-    a = add_request(scheduler, 15, max_new=10)
-    b = add_request(scheduler, 15, max_new=10)
-    finished = set()
-    for _ in range(200):
+class ContextModel:
+    """Stands in for the executor: each cell keeps the (position, token) last written to it, and a sampled
+    token is a hash of everything the chunk's cells hold for positions 0..end-1. A recomputation that
+    feeds the wrong tokens, a cell still shared with another sequence, or a stale cell changes the token."""
+
+    def __init__(self) -> None:
+        self.cells: dict[int, tuple[int, int]] = {}
+
+    def step(self, chunks: list[Chunk]) -> tuple[int | None, ...]:
+        for chunk in chunks:  # every write of the step lands before any read, as in a forward
+            for position, token in zip(range(chunk.start, chunk.end), chunk.tokens):
+                self.cells[int(chunk.cells[position])] = (position, token)
+        tokens = []
+        for chunk in chunks:
+            context = [self.cells.get(int(cell)) for cell in chunk.cells[: chunk.end]]
+            assert all(entry is not None and entry[0] == p for p, entry in enumerate(context)), "a stale cell"
+            tokens.append(zlib.crc32(repr(context).encode()) % 1000 if chunk.sampling is not None else None)
+        return tuple(tokens)
+
+
+def run_with_model(scheduler: Scheduler, model: ContextModel, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
         if not scheduler.has_work():
-            break
-        for event in run_step(scheduler)[1]:
-            if event.finish_reason:
-                finished.add(event.request_id)
-    assert finished == {a.id, b.id}
-    assert a.stats.completion_tokens == b.stats.completion_tokens == 10
-    assert scheduler.num_preemptions >= 1
+            return
+        plan = scheduler.plan()
+        scheduler.commit(plan, model.step(scheduler.executor_chunks(plan)))
+    raise AssertionError("the scheduler did not finish its requests")
+
+
+def run_with_model_in_flight(scheduler: Scheduler, model: ContextModel, max_steps: int = 10_000) -> None:
+    """As the runner drives it: each plan is made (and run) before the previous one's tokens are committed; a
+    decode fed by an in-flight sample reads it from the previous step's output, as the device does."""
+    in_flight, previous = None, ()
+    for _ in range(max_steps):
+        if not scheduler.has_work() and in_flight is None:
+            return
+        plan = scheduler.plan()
+        chunks = [dataclasses.replace(c, tokens=(previous[c.previous_sample],)) if c.previous_sample is not None
+                  else c for c in scheduler.executor_chunks(plan)]
+        tokens = model.step(chunks)
+        if in_flight is not None:
+            scheduler.commit(*in_flight)
+        in_flight, previous = ((plan, tokens), tokens) if plan.chunks else (None, ())
+    raise AssertionError("the scheduler did not finish its requests")
+
+
+@pytest.mark.parametrize("drive", [run_with_model, run_with_model_in_flight], ids=["in-turn", "one-in-flight"])
+def test_preempted_requests_produce_their_solo_tokens(drive):
+    """A pool far too small for the load: requests are preempted and recomputed, and every one produces
+    exactly the tokens it produces alone on an ample pool, with or without a step in flight."""
+    shapes = [(15 + 3 * i, 8 + 2 * i) for i in range(8)]  # (prompt, new tokens); the longest needs 58 cells
+    solo = []
+    for i, (prompt, new) in enumerate(shapes):
+        scheduler = make_scheduler(num_cells=512, budget=32, min_chunk=1)
+        request = add_request_with(scheduler, [1000 + i] + list(range(1, prompt)), max_new=new)
+        run_with_model(scheduler, ContextModel())
+        assert request.stats.preemptions == 0
+        solo.append(request.tokens)
+
+    scheduler = make_scheduler(num_cells=96, budget=32, min_chunk=1)
+    model = ContextModel()
+    crowded = [add_request_with(scheduler, [1000 + i] + list(range(1, prompt)), max_new=new)
+               for i, (prompt, new) in enumerate(shapes)]
+    drive(scheduler, model)
+    assert sum(r.stats.preemptions for r in crowded) >= 4, [r.stats.preemptions for r in crowded]
+    assert scheduler.num_preemptions == sum(r.stats.preemptions for r in crowded)
+    for request, expected in zip(crowded, solo):
+        assert request.finish_reason is FinishReason.LENGTH
+        assert request.tokens == expected, f"request {request.id} ({request.stats.preemptions} preemptions)"
     assert scheduler.allocator.num_used == 0
 
 

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+from conftest import stop_at_token
 from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.serve.app import attach_runner, create_app
@@ -176,6 +177,23 @@ def test_stop_string_is_honoured_and_cut(client):
     assert cut.choices[0].text == text[: text.index(stop)]
 
 
+def test_streamed_stop_strings_and_a_stop_on_the_last_allowed_token(client):
+    """Streaming with stop strings gives the non-streamed text and finish reason; a stop string completed
+    by the last token max_tokens allows still finishes with "stop"."""
+    kwargs = dict(model=MODEL, prompt="stream a stop", temperature=0, extra_body={"ignore_eos": True})
+    deltas = [c.choices[0].text for c in client.completions.create(**kwargs, max_tokens=30, stream=True)
+              if c.choices and c.choices[0].finish_reason is None]
+    last, text, stop = stop_at_token(deltas)
+    for max_tokens, expected in ((30, text[:-2]), (last, text[:-2])):
+        full = client.completions.create(**kwargs, max_tokens=max_tokens, stop=[stop, "never seen"])
+        assert (full.choices[0].text, full.choices[0].finish_reason) == (expected, "stop"), max_tokens
+        chunks = client.completions.create(**kwargs, max_tokens=max_tokens, stop=[stop, "never seen"], stream=True,
+                                           stream_options={"include_usage": True})
+        streamed, tokens, finish, usage = stream_tokens(chunks, chat=False)
+        assert (streamed, finish) == (expected, "stop"), max_tokens
+        assert tokens == usage.completion_tokens == full.usage.completion_tokens == last
+
+
 # -- concurrency --------------------------------------------------------------------------------------------
 
 
@@ -232,6 +250,78 @@ def test_session_reuses_the_previous_turn(server):
             "session_id": "story-1", "temperature": 0}
     third = httpx.post(f"{server}/v1/completions", json=body).json()
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] > cached
+
+
+def session_turn(http, prompt: list[int], session: str | None, max_tokens: int = 8) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    response = http.post("/v1/completions", json=body, headers={"X-Session-ID": session} if session else {})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_sessions_beyond_max_sessions_evict_the_least_recently_used(tiny_artifact):
+    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(max_sessions=2))
+    try:
+        with TestClient(create_app(ServerConfig(model_name=MODEL), runner)) as http:
+            history = {}
+            for session in ("a", "b", "c"):  # "a" is evicted when "c" is kept
+                prompt = [256, *f"session {session} starts".encode()]
+                history[session] = prompt + session_turn(http, prompt, session)["choices"][0]["token_ids"]
+
+            def cached(session: str) -> int:
+                reply = session_turn(http, history[session] + [32], session)
+                history[session] += [32] + reply["choices"][0]["token_ids"]
+                return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+            assert cached("b") > 0  # now "c" is the least recently used
+            history["d"] = [256, 100]
+            assert cached("d") == 0  # a new session evicts "c"
+            assert cached("c") == 0 and cached("a") == 0
+            assert cached("a") > 0  # kept again (with "c")
+            assert len(runner.scheduler.sessions) == 2
+    finally:
+        runner.close()
+
+
+def test_two_concurrent_requests_on_one_session(server, slow_engine):
+    """Both extend the session's history at once: one reuses its cells, the other runs cold (a session
+    serves one request at a time); both give the solo tokens, and the store ends holding one session."""
+    prompt = [256, *b"Twins share a session"]
+    with httpx.Client(base_url=server, timeout=30) as http:
+        first = session_turn(http, prompt, "twins")
+        follow_up = prompt + first["choices"][0]["token_ids"] + list(b" and")
+        solo = session_turn(http, follow_up, None, max_tokens=20)
+    before = metrics(server)["pt2serve_kv_cells_used"]
+    held_before = len(prompt) + 8 - 1  # the session's cells: all but the last sampled token
+
+    async def both() -> list[dict]:
+        async with httpx.AsyncClient(base_url=server, timeout=30) as http:
+            bodies = {"model": MODEL, "prompt": follow_up, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+            replies = await asyncio.gather(*(http.post("/v1/completions", json=bodies,
+                                                       headers={"X-Session-ID": "twins"}) for _ in range(2)))
+        assert [r.status_code for r in replies] == [200, 200]
+        return [r.json() for r in replies]
+
+    replies = asyncio.run(both())
+    for reply in replies:
+        assert reply["choices"][0]["token_ids"] == solo["choices"][0]["token_ids"]
+    cached = sorted(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies)
+    assert cached == [0, held_before]
+    # The session now holds the last finisher's history in place of the old one: nothing leaked.
+    held_after = len(follow_up) + 20 - 1
+    deadline = time.monotonic() + 10
+    while metrics(server)["pt2serve_kv_cells_used"] != before - held_before + held_after:
+        assert time.monotonic() < deadline, (metrics(server)["pt2serve_kv_cells_used"], before, held_after)
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("header, message", [("", "1 to 256 characters"), ("x" * 257, "1 to 256 characters")],
+                         ids=["empty", "too-long"])
+def test_a_bad_session_header_is_a_400(server, header, message):
+    response = httpx.post(f"{server}{COMPLETIONS}", json=OK, headers={"X-Session-ID": header})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "session_id" and message in error["message"]
 
 
 # -- bad input -----------------------------------------------------------------------------------------------

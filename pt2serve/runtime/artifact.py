@@ -35,6 +35,7 @@ from pt2serve.errors import Pt2ServeError
 # Weights: floats, plus the packed integers, zero points (uint8) and input orders (int64) of quantized layers.
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8,
            "int64": torch.int64}
+_KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 
 
@@ -74,7 +75,7 @@ class Metadata:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.cache["dtype"]]
+        return _KV_DTYPES[self.cache["dtype"]]
 
     @property
     def min_prefill_chunk(self) -> int:
@@ -219,6 +220,8 @@ def _read_metadata(archive: zipfile.ZipFile, path: Path) -> dict[str, Any]:
         raw = json.loads(archive.read(name))
     except (zipfile.BadZipFile, json.JSONDecodeError, OSError) as err:
         raise Pt2ServeError(f"{path}: metadata is unreadable ({err}); re-export it") from None
+    if not isinstance(raw, dict):
+        raise Pt2ServeError(f"{path}: metadata is not a JSON object; re-export it")
     missing = [key for key in _REQUIRED_FIELDS if key not in raw]
     if missing:
         raise Pt2ServeError(f"{path}: metadata lacks {', '.join(missing)}; re-export it")
@@ -227,7 +230,59 @@ def _read_metadata(archive: zipfile.ZipFile, path: Path) -> dict[str, Any]:
             f"{path} has artifact format {raw['format_version']}, this pt2serve reads format {FORMAT_VERSION}; "
             "re-export it with this version"
         )
+    malformed = _malformed_field(raw)
+    if malformed:
+        raise Pt2ServeError(f"{path}: metadata field {malformed}; re-export it")
     return raw
+
+
+def _malformed_field(raw: dict[str, Any]) -> str | None:
+    """The first field the runtime reads that lacks the type it needs, said with what it should be.
+
+    A damaged or hand-edited document must fail here, naming the field, not later as a KeyError or a
+    TypeError inside the loader or the executor.
+    """
+    for key in ("vocab_size", "max_context", "max_cells", "max_step_tokens", "min_prefill_chunk"):
+        if not _is_positive_int(raw[key]):
+            return f"{key} is {raw[key]!r}, not a positive integer"
+    sizes = raw["forward_sizes"]
+    if not isinstance(sizes, list) or not sizes or not all(_is_positive_int(n) for n in sizes):
+        return f"forward_sizes is {sizes!r}, not a list of positive integers"
+    cache = raw["cache"]
+    if (not isinstance(cache, dict) or cache.get("dtype") not in _KV_DTYPES
+            or not all(_is_positive_int(cache.get(key)) for key in ("num_layers", "num_kv_heads", "head_dim"))):
+        return f"cache is {cache!r}, not {{num_layers, num_kv_heads, head_dim, dtype ({', '.join(_KV_DTYPES)})}}"
+    if raw["backend"] not in ("cpu", "cuda"):
+        return f"backend is {raw['backend']!r}, not cpu or cuda"
+    methods = raw["methods"]
+    if not isinstance(methods, dict) or not all(
+            isinstance(spec, dict) and isinstance(spec.get("internal_name"), str) for spec in methods.values()):
+        return "methods is not an object giving each method's internal_name"
+    for width in sizes:
+        spec = methods.get(forward_name(width), {})
+        if "internal_name" in spec and not _is_positive_int(spec.get("num_entries")):
+            return f"methods.{forward_name(width)}.num_entries is {spec.get('num_entries')!r}, not a positive integer"
+    weights = raw["weights"]
+    if not isinstance(weights, list) or not all(_is_weight_entry(entry) for entry in weights):
+        return f"weights is not a list of {{name, dtype ({', '.join(_DTYPES)}), shape, record}}"
+    if not isinstance(raw["model_config"], dict):
+        return "model_config is not an object"
+    if not isinstance(raw["content_hash"], str):
+        return f"content_hash is {raw['content_hash']!r}, not a string"
+    built = raw["built_with"]
+    if not isinstance(built, dict) or not isinstance(built.get("torch"), str):
+        return "built_with does not give the torch version"
+    return None
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_weight_entry(entry: Any) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("record"), str)
+            and entry.get("dtype") in _DTYPES and isinstance(entry.get("shape"), list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry["shape"]))
 
 
 def _check_records(archive: zipfile.ZipFile, metadata: Metadata, path: Path) -> dict[str, zipfile.ZipInfo]:
@@ -274,8 +329,12 @@ def _load_weights(
             dtype = _DTYPES[entry["dtype"]]
             info = records[name]
             expected_bytes = dtype.itemsize * _numel(shape)
-            if info.compress_type != zipfile.ZIP_STORED or info.file_size != expected_bytes:
-                raise Pt2ServeError(f"{path}: weight {name} has {info.file_size} bytes, expected {expected_bytes}")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise Pt2ServeError(f"{path}: weight {name} is stored compressed, and weights are read in place "
+                                    "from the file; re-export it (or rewrite the zip without compression)")
+            if info.file_size != expected_bytes:
+                raise Pt2ServeError(f"{path}: weight {name} has {info.file_size} bytes, but its dtype and shape "
+                                    f"need {expected_bytes}; re-export it")
             offset = _data_offset(mapped, info, path)
             if offset + expected_bytes > len(mapped):
                 raise Pt2ServeError(f"{path} is truncated inside weight {name}; re-export it")

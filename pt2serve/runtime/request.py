@@ -53,6 +53,7 @@ class RequestStats:
     reused_tokens: int = 0  # prompt tokens whose cells came from a session or the prefix cache
     prefilled_tokens: int = 0  # prompt tokens computed by this request
     completion_tokens: int = 0
+    preemptions: int = 0  # times its cells were taken back and its tokens recomputed later
     arrival_step: int = 0
     first_scheduled_step: int | None = None
 

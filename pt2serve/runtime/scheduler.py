@@ -237,6 +237,7 @@ class Scheduler:
         self.allocator.free(request.cells.truncate(0))
         request.num_computed = 0
         self.num_preemptions += 1
+        request.stats.preemptions += 1
         self._running.remove(request.id)
         self._waiting.appendleft(request.id)
         request.status = RequestStatus.WAITING

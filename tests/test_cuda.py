@@ -1,0 +1,137 @@
+"""The GPU path, on a toy-greedy artifact exported for CUDA: captured graphs replay exactly what the methods
+compute, the runner serves the designed tokens through them (and without them with --no-cuda-graphs), the
+KV pool is sized from free GPU memory, and an artifact built for another GPU architecture is refused.
+
+Every test here is marked `cuda`: skipped without a GPU, run on the GPU machine by
+scripts/device/cuda_tests.sh (`pytest -m cuda tests/test_cuda.py`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS, exported
+from pt2serve.errors import Pt2ServeError
+from pt2serve.export.options import ExportOptions
+from pt2serve.model.presets import toy_greedy_continuation
+from pt2serve.runtime.artifact import load_artifact, read_metadata
+from pt2serve.runtime.cells import allocate_kv_pools, cells_that_fit
+from pt2serve.runtime.engine import describe_load, open_runner
+from pt2serve.runtime.executor import Executor, ExecutorConfig
+from pt2serve.runtime.graphs import capture_all
+from pt2serve.runtime.runner import RunnerConfig
+from pt2serve.runtime.step import pack
+from test_artifact import with_metadata
+from test_export import random_chunks, split_width
+
+pytestmark = pytest.mark.cuda
+
+FORWARD_SIZES = (1, 4, 16, 64)
+MAX_CELLS = 1 << 22  # large enough that the pool is sized by free memory, not by the artifact
+POOL_CELLS = 1024
+
+
+@pytest.fixture(scope="module")
+def cuda_artifact(tmp_path_factory):
+    def options(path):
+        return ExportOptions(backend="cuda", output=path, preset="toy-greedy", dtype="fp32", forward_sizes=FORWARD_SIZES,
+                             max_context=TEST_MAX_CONTEXT, max_step_tokens=TEST_MAX_STEP_TOKENS, max_cells=MAX_CELLS)
+
+    return exported("toy-greedy-cuda", options, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def artifact(cuda_artifact):
+    return load_artifact(cuda_artifact)
+
+
+def test_graph_replay_equals_the_method_on_every_static_width(artifact):
+    """Each width captured once (from an all-padding step), then replayed with new steps copied into its
+    buffers: logits and pool writes are the uncaptured method's on the same inputs and pool (the same
+    kernels: equal within float rounding of 1e-5)."""
+    meta, device = artifact.metadata, artifact.device
+    cache = meta.cache
+    storage, k_pools, v_pools = allocate_kv_pools(cache["num_layers"], POOL_CELLS, cache["num_kv_heads"],
+                                                  cache["head_dim"], meta.kv_dtype, device)
+    storage.normal_(generator=torch.Generator(device).manual_seed(0))
+    pools = [*k_pools, *v_pools]
+    idle = {f"forward_{n}": pack([], f"forward_{n}", n, meta.entries_of(n)) for n in meta.forward_sizes}
+    captured, _ = capture_all(artifact.run, idle, pools, device, use_graph=True)
+    rng = np.random.default_rng(0)
+    for width in meta.forward_sizes:
+        method = f"forward_{width}"
+        assert captured[method].graph is not None
+        previous = None
+        for fill in (width, width // 2 + 1):  # a full step, then one with padding
+            chunks = random_chunks(rng, split_width(rng, fill, 3), POOL_CELLS, meta.vocab_size, sample_every=1)
+            call = pack(list(enumerate(chunks)), method, width, meta.entries_of(width))
+            before = storage.clone()
+            replayed = captured[method].forward(call.host).clone()
+            after_replay = storage.clone()
+            storage.copy_(before)
+            direct = artifact.run(method, [*call.device_inputs(device), *pools])[0]
+            torch.testing.assert_close(replayed, direct, atol=1e-5, rtol=0, msg=method)
+            torch.testing.assert_close(after_replay, storage, atol=1e-5, rtol=0, msg=method)
+            assert not torch.equal(after_replay, before)  # the step wrote its cells
+            if previous is not None:
+                assert not torch.equal(replayed[:1], previous[:1])  # a new step, not the captured one
+            previous = replayed
+
+
+def test_runner_serves_designed_tokens_through_graphs(cuda_artifact):
+    runner = open_runner(cuda_artifact, executor_config=ExecutorConfig(num_cells=8192),
+                         runner_config=RunnerConfig(token_budget=64))
+    try:
+        assert runner.executor.uses_cuda_graphs and runner.executor.forward_sizes == FORWARD_SIZES
+        assert f"CUDA graphs for {len(FORWARD_SIZES)} widths" in describe_load(runner)
+        rng = np.random.default_rng(1)
+        prompts = [[256, *rng.integers(0, 256, int(n)).tolist()] for n in rng.integers(1, 120, 24)]
+        handles = [runner.submit(p, max_new_tokens=40) for p in prompts]
+        for prompt, handle in zip(prompts, handles):
+            assert handle.result(timeout=120).token_ids == toy_greedy_continuation(prompt, 40)
+        methods = {call.method for step in runner.step_history for call in step.calls}
+        assert {f"forward_{n}" for n in FORWARD_SIZES} & methods, methods  # steps replayed graphs
+    finally:
+        runner.close()
+
+
+def test_without_cuda_graphs_every_step_runs_forward_others(cuda_artifact):
+    runner = open_runner(cuda_artifact, executor_config=ExecutorConfig(num_cells=8192, use_cuda_graphs=False))
+    try:
+        assert not runner.executor.uses_cuda_graphs and runner.executor.forward_sizes == ()
+        assert "no CUDA graphs: every step runs forward_others" in describe_load(runner)
+        prompt = [256, 5, 6, 7]
+        assert runner.generate(prompt, max_new_tokens=20).token_ids == toy_greedy_continuation(prompt, 20)
+        assert {call.method for step in runner.step_history for call in step.calls} == {"forward_others"}
+    finally:
+        runner.close()
+
+
+def test_pool_is_sized_from_free_gpu_memory(artifact):
+    cache, meta = artifact.metadata.cache, artifact.metadata
+    torch.cuda.synchronize()
+    free, _total = torch.cuda.mem_get_info(artifact.device)
+    fraction = 0.01
+    expected = cells_that_fit(free, fraction, cache["num_layers"], cache["num_kv_heads"], cache["head_dim"],
+                              meta.kv_dtype)
+    assert meta.max_context + 1 < expected < meta.max_cells  # the fraction decides, not the artifact
+    executor = Executor(artifact, ExecutorConfig(kv_memory_fraction=fraction, use_cuda_graphs=False))
+    assert executor.allocator.num_cells == pytest.approx(expected, rel=0.02)
+    assert executor.memory.pool_bytes == pytest.approx(fraction * free, rel=0.02)
+    del executor
+    with pytest.raises(Pt2ServeError, match="fewer than one max-context sequence needs"):
+        Executor(artifact, ExecutorConfig(kv_memory_fraction=1e-9, use_cuda_graphs=False))
+
+
+def test_an_artifact_for_another_gpu_architecture_is_refused(cuda_artifact, tmp_path):
+    built = read_metadata(cuda_artifact).raw["built_with"]
+    major, minor = torch.cuda.get_device_capability()
+    assert built["gpu_arch"] == f"sm_{major}{minor}" and built["gpu_name"] == torch.cuda.get_device_name()
+    other = tmp_path / "other-arch.pt2"
+    with_metadata(cuda_artifact, other, lambda m: m["built_with"].update(gpu_arch="sm_00", gpu_name="Imaginary"))
+    with pytest.raises(Pt2ServeError, match=f"built for sm_00 \\(Imaginary\\), but this GPU is sm_{major}{minor}"):
+        load_artifact(other)
+    with pytest.raises(Pt2ServeError, match="exported for cuda"):
+        load_artifact(cuda_artifact, device="cpu")
