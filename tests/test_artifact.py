@@ -191,9 +191,12 @@ def make_bad_artifacts(src: Path, tmp: Path) -> dict[str, tuple[Path, str, str |
            f"built with torch {major - 1}.0.1")
     edited("foreign-libstdcxx", lambda m: m["built_with"].update(libstdcxx_mismatch="the C++ compiler 'g++' links /x"),
            "CXX=/usr/bin/g++")
-    edited("built-for-cuda", lambda m: m.update(backend="cuda"), "needs a CUDA GPU, and torch sees none")
+    # Asked for a GPU where there is none, the loader says so before anything about the artifact.
+    no_gpu = "no CUDA GPU is visible here"
+    edited("built-for-cuda", lambda m: m.update(backend="cuda"), no_gpu)
     cases["cuda-artifact-on-cpu"] = (cases["built-for-cuda"][0], "exported for cuda; serve it on a GPU", "cpu")
-    cases["cpu-artifact-on-cuda"] = (src, "exported for cpu; re-export with --backend cuda", "cuda")
+    on_cuda = "exported for cpu; re-export with --backend cuda" if torch.cuda.is_available() else no_gpu
+    cases["cpu-artifact-on-cuda"] = (src, on_cuda, "cuda")
 
     # A clean rewrite loads: the damage above, not the rewriting, is what the loader refuses.
     rewritten = tmp / "rewritten.pt2"

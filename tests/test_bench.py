@@ -194,9 +194,10 @@ def test_row_numbers_are_the_hand_computed_ones():
     starts = [0.000, 0.010, 0.020, 0.032, 0.040, 0.052]
     durations = [0.004, 0.005, 0.006, 0.008, 0.004, 0.005]
     shapes = [StepShape(32, 4, 4, 32, 144)] + [decode] * 5  # a prefill step, then steady decodes
-    timings = [StepTiming(start, start + took, shape, ("forward_4",))
+    timings = [StepTiming(start, start + took, shape, ("forward_4",), took)
                for start, took, shape in zip(starts, durations, shapes)]
-    history = [StepRecord(i + 1, s.width, 0 if i == 0 else 4, (), 0.0) for i, s in enumerate(shapes)]
+    history = [StepRecord(i + 1, s.width, 0 if i == 0 else 4, (), took, None)
+               for i, (s, took) in enumerate(zip(shapes, durations))]
     cost = ModelCost(weight_bytes=1000, weight_bytes_per_call=1000, matmul_params=100, head_params=10,
                      kv_bytes_per_cell=16, attention_flops_per_pair=8)
     limits = MachineLimits("cpu", "fp32", memory_bandwidth=1e6, matmul_flops=1e5, copy_bytes=0, matmul_size=0,
@@ -218,7 +219,7 @@ def test_row_numbers_are_the_hand_computed_ones():
     assert row.limit_tokens_per_second == pytest.approx(357.143, rel=1e-5)  # 4 / 11.2 ms
     assert row.fraction_of_limit == pytest.approx(0.93333, rel=1e-5)  # 11.2 / 12
     assert row.executor_fraction_of_limit == pytest.approx(1.86667, rel=1e-5)  # 11.2 / 6
-    two_calls = [StepTiming(t.start, t.end, t.shape, ("forward_others", "forward_4")) for t in timings]
+    two_calls = [StepTiming(t.start, t.end, t.shape, ("forward_others", "forward_4"), t.seconds) for t in timings]
     row = _analyse(plan, two_calls, history, [], SweepOptions(warmup=1, iters=3), cost, limits)
     assert row.bytes == 2640  # the weights are read once per compiled call
     # A mixed step: one decode sampled, a 4-token prompt piece not. FLOPs: 2 x 90 x 5 tokens + 2 x 10 x 1

@@ -120,12 +120,12 @@ def test_cancel_mid_prefill_and_mid_decode_frees_cells_and_spares_the_others(toy
     few decoded tokens, while two other requests run. Before every step the pool holds exactly the cells
     of the live requests (a cancelled one's are freed at once), and the others' tokens are their solo ones."""
     runner = open_runner(toy_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
-    real_step = runner.executor.step
+    real_launch = runner.executor.launch
     long_prompt = [random.Random(1).randrange(256) for _ in range(200)]  # four steps of prefill at most
     targets: dict[str, object] = {}
     leaks: list[str] = []
 
-    def step_and_cancel(chunks):
+    def launch_and_cancel(chunks):
         # The engine thread, before a step: check the pool, and send the cancels once their moment comes.
         scheduler = runner.scheduler
         held = sum(r.cells.length for r in scheduler.requests.values())
@@ -138,9 +138,9 @@ def test_cancel_mid_prefill_and_mid_decode_frees_cells_and_spares_the_others(toy
             if request is not None and done(request) and name not in targets.get("sent", ()):
                 targets.setdefault("sent", set()).add(name)
                 runner.cancel(handle)
-        return real_step(chunks)
+        return real_launch(chunks)
 
-    runner.executor.step = step_and_cancel
+    runner.executor.launch = launch_and_cancel
     try:
         others = [[256, 1, 2, 3], [256, 9]]
         other_handles = [runner.submit(p, max_new_tokens=40) for p in others]

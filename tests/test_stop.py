@@ -25,7 +25,7 @@ def test_text_without_stop_strings_passes_through():
     matcher = StopStringMatcher(())
     assert matcher.feed("abc") == ("abc", False)
     assert matcher.feed("STOP") == ("STOP", False)
-    assert matcher.flush() == ""
+    assert matcher.feed("", is_final=True)[0] == ""
 
 
 def test_a_false_start_is_held_then_released():
@@ -42,8 +42,8 @@ def test_a_false_start_is_held_then_released():
 def test_held_text_is_flushed_when_the_request_ends_otherwise():
     matcher = StopStringMatcher(("</s>",))
     assert matcher.feed("done </") == ("done ", False)
-    assert matcher.flush() == "</"
-    assert matcher.flush() == ""  # flushed once
+    assert matcher.feed("", is_final=True)[0] == "</"
+    assert matcher.feed("", is_final=True)[0] == ""  # flushed once
 
 
 def test_final_delta_releases_what_is_held():
