@@ -7,11 +7,7 @@ after changing model or export code).
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -29,9 +25,6 @@ from pt2serve.export.options import ExportOptions  # noqa: E402
 from pt2serve.runtime.engine import open_runner  # noqa: E402
 from pt2serve.runtime.executor import ExecutorConfig  # noqa: E402
 from pt2serve.runtime.runner import RunnerConfig  # noqa: E402
-from pt2serve.serve.app import create_app  # noqa: E402
-from pt2serve.serve.config import ServerConfig  # noqa: E402
-from servers import TOY_MODEL, ServerThread  # noqa: E402
 
 # Small enough to export quickly on 2 cores, wide enough for every width test (1..65, 96, 97, > max).
 TEST_MAX_CONTEXT = 256
@@ -88,29 +81,11 @@ def toy_artifact(tmp_path_factory) -> Path:
 @pytest.fixture()
 def tiny_server(tiny_artifact):
     """The tiny artifact served (OpenAI API, no prefix cache) on 127.0.0.1 at a free port: the base URL."""
-    uvicorn = pytest.importorskip("uvicorn")
-    from pt2serve.runtime.engine import open_runner
-    from pt2serve.runtime.runner import RunnerConfig
-    from pt2serve.serve.app import create_app
-    from pt2serve.serve.config import ServerConfig
-
     runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(prefix_cache_entries=0))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(ServerConfig(model_name="tiny"), runner), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
-        runner.close()
+    thread = served(runner, "tiny")
+    yield thread.url
+    thread.stop()
+    runner.close()
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +99,21 @@ def toy_runner(toy_artifact):
 @pytest.fixture(scope="module")
 def toy_server(toy_runner):
     """The URL of a server over `toy_runner`, serving it as TOY_MODEL."""
-    thread = ServerThread(create_app(ServerConfig(model_name=TOY_MODEL), toy_runner)).start()
+    from servers import TOY_MODEL
+
+    thread = served(toy_runner, TOY_MODEL)
     yield thread.url
     thread.stop()
+
+
+def served(runner, model_name: str):
+    """A server over `runner` on 127.0.0.1 (imported here: the GPU machine runs the cuda tests without the server's
+    packages)."""
+    from pt2serve.serve.app import create_app
+    from pt2serve.serve.config import ServerConfig
+    from servers import ServerThread
+
+    return ServerThread(create_app(ServerConfig(model_name=model_name), runner)).start()
 
 
 def pytest_collection_modifyitems(config, items):
