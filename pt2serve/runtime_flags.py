@@ -1,4 +1,5 @@
-"""The runtime's command-line flags that serve-artifact and bench share: the step budget and the KV pool.
+"""The runtime's command-line flags that serve-artifact and bench share: the step budget, the KV pool and
+the prefix cache.
 
 Each flag defaults to None, which leaves the field out of RunnerConfig / ExecutorConfig so the runtime's
 own default applies; the defaults live there, and the help only says in words what they are. A value a
@@ -49,6 +50,22 @@ def kv_memory_fraction_option() -> Any:
         None, help="GPU: the share of the memory left free after the weights load that the KV pool may fill, when "
         "--num-cells is not given (default: the executor's share; the load line says what the pool got)."
     )
+
+
+def prefix_cache_option() -> Any:
+    return typer.Option(
+        None, "--prefix-cache/--no-prefix-cache", help="Start every request from the longest prefix of its tokens "
+        "whose KV cells are still cached, from any earlier request (default: on; cached cells are freed as soon "
+        "as a step needs them, so the cache costs no pool space)."
+    )
+
+
+def prefix_reuse(enabled: bool | None, session_pin_seconds: float | None = None) -> dict[str, Any]:
+    """The RunnerConfig fields --prefix-cache and --session-pin-seconds set (the ones given), checked."""
+    if session_pin_seconds is not None and not 0 <= session_pin_seconds < float("inf"):
+        raise Pt2ServeError(f"--session-pin-seconds must be a number of seconds >= 0, got {session_pin_seconds}")
+    given = {"prefix_cache": enabled, "session_pin_seconds": session_pin_seconds}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def step_budget(token_budget: int | None, max_decode_sequences: int | None,

@@ -74,7 +74,7 @@ def tiny_server(tiny_artifact):
     from pt2serve.serve.app import create_app
     from pt2serve.serve.config import ServerConfig
 
-    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(prefix_cache_entries=0))
+    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(prefix_cache=False))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(ServerConfig(model_name="tiny"), runner), log_level="warning"))

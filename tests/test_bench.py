@@ -84,7 +84,7 @@ def test_sweep_rows_are_exactly_t_wide(sweep_result, executor):
 
 
 def test_sweep_then_requests_share_one_executor(sweep_result, executor, tokenizer):
-    runner = Runner(executor, tokenizer, RunnerConfig(prefix_cache_entries=0))
+    runner = Runner(executor, tokenizer, RunnerConfig())  # closing it empties the prefix cache too
     try:
         result = drive_runner(runner, RequestsOptions(requests=6, prompt_tokens=20, max_new_tokens=6, stagger_ms=3))
     finally:

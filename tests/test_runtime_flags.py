@@ -42,11 +42,11 @@ def serve(artifact, *args: str):
 
 def test_serve_flags_reach_the_configs(tiny_artifact, captured_configs):
     result = serve(tiny_artifact, *BUDGET_FLAGS, "--num-cells", "900", "--kv-memory-fraction", "0.3",
-                   "--max-sessions", "7")
+                   "--max-sessions", "7", "--session-pin-seconds", "30", "--no-prefix-cache")
     assert "stopped by the test" in result.output, result.output
     runner, executor = captured_configs["runner"], captured_configs["executor"]
     assert (runner.token_budget, runner.max_decode_sequences, runner.min_prefill_chunk) == (40, 3, 5)
-    assert runner.max_sessions == 7
+    assert (runner.max_sessions, runner.session_pin_seconds, runner.prefix_cache) == (7, 30.0, False)
     assert (executor.num_cells, executor.kv_memory_fraction) == (900, 0.3)
 
 
@@ -65,6 +65,7 @@ def test_serve_flags_left_out_keep_the_runtime_defaults(tiny_artifact, captured_
         (["--num-cells", "1"], "--num-cells must be at least 2"),
         (["--kv-memory-fraction", "1.5"], "kv_memory_fraction must be in (0, 0.95]"),
         (["--kv-memory-fraction", "0"], "kv_memory_fraction must be in (0, 0.95]"),
+        (["--session-pin-seconds", "-1"], "--session-pin-seconds must be a number of seconds >= 0, got -1.0"),
     ],
 )
 def test_serve_bad_values_are_clear_errors(tiny_artifact, captured_configs, args, message):
@@ -91,10 +92,11 @@ def test_bench_flags_reach_the_scheduler_and_the_pool(tiny_artifact, tmp_path):
 
 def test_bench_flags_reach_the_configs(tiny_artifact, captured_configs):
     result = CliRunner().invoke(app, ["bench", str(tiny_artifact), "--mode", "requests", *BUDGET_FLAGS,
-                                      "--num-cells", "900", "--kv-memory-fraction", "0.3"])
+                                      "--num-cells", "900", "--kv-memory-fraction", "0.3", "--no-prefix-cache"])
     assert "stopped by the test" in result.output, result.output
     runner, executor = captured_configs["runner"], captured_configs["executor"]
     assert (runner.token_budget, runner.max_decode_sequences, runner.min_prefill_chunk) == (40, 3, 5)
+    assert runner.prefix_cache is False
     assert (executor.num_cells, executor.kv_memory_fraction) == (900, 0.3)
 
 

@@ -1,8 +1,8 @@
 """The HTTP server: real uvicorn on 127.0.0.1, driven with the official openai client and raw httpx.
 
-Two server instances share one runner over the tiny artifact (prefix cache off, so the KV cells in use
-return to their baseline once a request ends): `server` is open, `strict` wants an API key and sheds
-load past one active request.
+Two server instances share one runner over the tiny artifact (the cells that requests hold, all in use
+but the prefix cache's, return to their baseline once a request ends): `server` is open, `strict` wants an
+API key and sheds load past one active request.
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def runner(tiny_artifact):
-    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(prefix_cache_entries=0,
-                                                                                  max_sessions=8))
+    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(max_sessions=8))
     yield runner
     runner.close()
 
@@ -182,7 +181,8 @@ def test_chat_streamed_equals_non_streamed(client, sampling):
 
 
 def test_token_id_prompt_returns_token_ids(server):
-    body = {"model": MODEL, "prompt": [256, 72, 105], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    # Token 1 first: no other request starts with it, so nothing of it is cached yet.
+    body = {"model": MODEL, "prompt": [1, 72, 105], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     response = httpx.post(f"{server}/v1/completions", json=body)
     assert response.status_code == 200, response.text
     data = response.json()
@@ -191,6 +191,9 @@ def test_token_id_prompt_returns_token_ids(server):
     assert all(0 <= t < VOCAB for t in choice["token_ids"])
     assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
                              "prompt_tokens_details": {"cached_tokens": 0}}
+    again = httpx.post(f"{server}/v1/completions", json=body).json()
+    assert again["choices"][0]["token_ids"] == choice["token_ids"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 2  # all but the newest prompt token
 
 
 def test_stop_string_is_honoured_and_cut(client):
@@ -239,29 +242,52 @@ def test_32_concurrent_streams_have_exact_usage(server):
 # -- sessions ------------------------------------------------------------------------------------------------
 
 
-def test_session_reuses_the_previous_turn(server):
-    prompt = [256, *b"Once upon a time"]
+def test_a_continuation_reuses_the_previous_turn_with_or_without_a_session(server):
+    prompt = [256, *b"Once upon a time in a session test"]
 
-    def complete(ids, session):
+    def complete(ids, session=None):
         body = {"model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        response = httpx.post(f"{server}/v1/completions", json=body, headers={"X-Session-ID": session})
+        headers = {"X-Session-ID": session} if session else {}
+        response = httpx.post(f"{server}/v1/completions", json=body, headers=headers)
         assert response.status_code == 200, response.text
         return response.json()
 
     first = complete(prompt, "story-1")
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < len(prompt)
     follow_up = prompt + first["choices"][0]["token_ids"] + list(b" and then")
     second = complete(follow_up, "story-1")
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     # Everything computed in the first turn: its prompt and all its tokens but the last sampled one.
     assert cached == len(prompt) + 8 - 1
-    other = complete(follow_up, "story-2")  # another session starts cold
-    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    other = complete(follow_up)  # no session: the same cells serve it
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == len(follow_up) - 1
     # The body field works as the header does.
     body = {"model": MODEL, "prompt": follow_up + second["choices"][0]["token_ids"], "max_tokens": 2,
             "session_id": "story-1", "temperature": 0}
     third = httpx.post(f"{server}/v1/completions", json=body).json()
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] > cached
+
+
+def test_a_chat_reuses_every_earlier_turn_though_its_replies_come_back_as_text(server):
+    """Each turn sends the whole conversation as messages, the model's replies as the text it was given;
+    that text re-encodes to other ids than the ones sampled (the tiny model emits bytes that are not
+    UTF-8), yet every earlier turn's prompt is reused."""
+    messages = [{"role": "system", "content": "You answer every question with a riddle."}]
+    earlier_prompt = earlier_completion = 0
+    short_of_the_whole_exchange = 0
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"What is riddle number {turn}?"})
+        body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{server}{CHAT}", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        if turn:
+            assert cached >= earlier_prompt
+            short_of_the_whole_exchange += cached < earlier_prompt + earlier_completion - 1
+        earlier_prompt, earlier_completion = usage["prompt_tokens"], usage["completion_tokens"]
+        messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+    assert short_of_the_whole_exchange  # some reply did come back as other ids
 
 
 # -- bad input -----------------------------------------------------------------------------------------------
@@ -352,11 +378,11 @@ def test_server_is_healthy_after_bad_requests(server, client):
 
 
 def test_engine_failure_is_an_error_without_details(server, client, runner, monkeypatch):
-    def broken_step(chunks):
+    def broken_launch(chunks):
         raise RuntimeError("device exploded at 0xdeadbeef")
 
     errors_before = metrics(server).get('pt2serve_requests_total{finish_reason="error"}', 0)
-    monkeypatch.setattr(runner.executor, "step", broken_step)
+    monkeypatch.setattr(runner.executor, "launch", broken_launch)
     response = httpx.post(f"{server}{COMPLETIONS}", json=OK)
     assert response.status_code == 500
     error = response.json()["error"]
@@ -395,13 +421,13 @@ LONG = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 100, "ig
 @pytest.fixture
 def slow_engine(runner, monkeypatch):
     """Each engine step takes at least 10 ms, so a long request is surely still running when the test acts."""
-    step = runner.executor.step
+    launch = runner.executor.launch
 
-    def slow_step(chunks):
+    def slow_launch(chunks):
         time.sleep(0.01)
-        return step(chunks)
+        return launch(chunks)
 
-    monkeypatch.setattr(runner.executor, "step", slow_step)
+    monkeypatch.setattr(runner.executor, "launch", slow_launch)
 
 
 def test_full_queue_answers_429(strict, slow_engine):
@@ -428,7 +454,9 @@ def test_full_queue_answers_429(strict, slow_engine):
 
 
 def cells_used(url: str) -> float:
-    return metrics(url, AUTH)["pt2serve_kv_cells_used"]
+    """Cells held by requests: those in use but the prefix cache's."""
+    samples = metrics(url, AUTH)
+    return samples["pt2serve_kv_cells_used"] - samples["pt2serve_prefix_cache_cells"]
 
 
 def assert_cancelled_and_freed(url: str, baseline: float, cancelled_before: float) -> None:

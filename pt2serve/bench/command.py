@@ -15,6 +15,8 @@ from pt2serve.runtime_flags import (
     max_decode_sequences_option,
     min_prefill_chunk_option,
     num_cells_option,
+    prefix_cache_option,
+    prefix_reuse,
     step_budget,
     token_budget_option,
 )
@@ -83,6 +85,7 @@ def bench_command(
     token_budget: Optional[int] = token_budget_option(),
     max_decode_sequences: Optional[int] = max_decode_sequences_option(),
     min_prefill_chunk: Optional[int] = min_prefill_chunk_option(),
+    prefix_cache: Optional[bool] = prefix_cache_option(),
     url: Optional[str] = typer.Option(None, help="requests: drive the server at this URL instead (e.g. http://127.0.0.1:8000)."),
     model: Optional[str] = typer.Option(None, help="requests with --url: model name (default: the server's first)."),
     device: Optional[str] = typer.Option(None, help="Load onto this device (default: what the artifact was built for)."),
@@ -115,8 +118,8 @@ def locals_without(values: dict, *names: str) -> dict:
 def _run(
     artifact, mode, reference, tokens, warmup, iters, decode_cap, prefill_chunk, context, prompt_tokens, requests,
     max_new_tokens, stagger_ms, request_rate, request_rates, ttft_target_ms, tpot_target_ms, seed, token_budget,
-    max_decode_sequences, min_prefill_chunk, url, model, device, num_cells, kv_memory_fraction, no_cuda_graphs,
-    timeout, eager_peer, json_path, plot,
+    max_decode_sequences, min_prefill_chunk, prefix_cache, url, model, device, num_cells, kv_memory_fraction,
+    no_cuda_graphs, timeout, eager_peer, json_path, plot,
 ) -> None:
     # Every flag as given, for the JSON report (taken first, before the imports below add names).
     flags = {("json" if name == "json_path" else name): value for name, value in locals().items()}
@@ -132,7 +135,8 @@ def _run(
         raise Pt2ServeError(f"unknown --mode {mode!r}: choose {' or '.join(MODES)}")
     # The sweep sets its own step budget per row; a server (--url) has its own runner and pool.
     runner_flags = {"--token-budget": token_budget, "--max-decode-sequences": max_decode_sequences,
-                    "--min-prefill-chunk": min_prefill_chunk}
+                    "--min-prefill-chunk": min_prefill_chunk,
+                    "--prefix-cache/--no-prefix-cache": prefix_cache}
     wrong_mode = {
         "sweep": {"--stagger-ms": stagger_ms, "--request-rate": request_rate, "--request-rates": request_rates,
                   "--ttft-target-ms": ttft_target_ms, "--tpot-target-ms": tpot_target_ms, "--url": url,
@@ -216,7 +220,8 @@ def _run(
             max_new_tokens=max_new_tokens, stagger_ms=stagger_ms or 0.0, request_rate=request_rate, seed=seed,
             url=url, model=model, timeout=timeout, targets=targets,
         )
-        target = dict(device=device, executor_config=executor_config, runner_config=RunnerConfig(**budget))
+        target = dict(device=device, executor_config=executor_config,
+                      runner_config=RunnerConfig(**budget, **prefix_reuse(prefix_cache)))
         with StatusLine() as status:
             if rates is None:
                 from pt2serve.bench.requests_mode import run_requests

@@ -18,7 +18,7 @@ FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from a session or the prefix cache
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
     def body(self) -> dict[str, Any]:
         return {
