@@ -28,6 +28,7 @@ from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.serve.app import attach_runner, create_app
 from pt2serve.serve.config import ServerConfig
+from pt2serve.serve.openai_format import CompletionFormat, sse
 
 MODEL = "tiny"
 API_KEY = "test-key-123"
@@ -239,7 +240,16 @@ def test_32_concurrent_streams_have_exact_usage(server):
         8 + i % 9 for i in range(32))
 
 
-# -- sessions ------------------------------------------------------------------------------------------------
+def test_an_event_stays_one_line_for_clients_that_split_lines_like_python():
+    """httpx's aiter_lines and requests' iter_lines split where str.splitlines does, which includes U+0085,
+    U+2028 and U+2029: characters JSON leaves raw inside strings."""
+    text = "a\x85b\u2028c\u2029d\re\nf"
+    event = sse(CompletionFormat(MODEL).chunk(text, True, False)).decode()
+    (line,) = [line for line in event.splitlines() if line]
+    assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text
+
+
+# -- prefix reuse -------------------------------------------------------------------------------------------
 
 
 def test_a_continuation_reuses_the_previous_turn_with_or_without_a_session(server):
@@ -359,10 +369,15 @@ def test_oversized_body_and_unknown_route(server):
     huge = json.dumps({"model": MODEL, "prompt": "x" * (5 * 1024 * 1024)}).encode()
     response = httpx.post(f"{server}{COMPLETIONS}", content=huge, headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and "larger than" in response.json()["error"]["message"]
+    before = metrics(server)
     missing = httpx.get(f"{server}/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
     wrong_method = httpx.get(f"{server}{COMPLETIONS}")
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    after = metrics(server)
+    for status in (404, 405):
+        key = f'pt2serve_requests_rejected_total{{status="{status}"}}'
+        assert after[key] - before.get(key, 0) == 1
 
 
 def test_server_is_healthy_after_bad_requests(server, client):
@@ -502,7 +517,7 @@ def test_metrics_parse_and_count(server, client):
     assert after[ttft] == before[ttft] + 1
     assert after["pt2serve_time_per_output_token_seconds_count"] >= 1
     for gauge in ("pt2serve_requests_waiting", "pt2serve_requests_running", "pt2serve_kv_cells_used",
-                  "pt2serve_kv_cells_free", "pt2serve_prefix_cache_hit_rate"):
+                  "pt2serve_kv_cells_free", "pt2serve_prefix_cache_cells", "pt2serve_prefix_cache_hit_rate"):
         assert gauge in after
     assert after["pt2serve_kv_cells_free"] > 0
 
