@@ -40,15 +40,17 @@ def min_prefill_chunk_option() -> Any:
 
 def num_cells_option() -> Any:
     return typer.Option(
-        None, help="KV pool size in cells, one per token of context (default: the artifact's max_cells; on a GPU "
-        "no more than --kv-memory-fraction of the memory free after the weights holds)."
+        None, help="KV pool size in cells, one per token of context, up to the artifact's max_cells (default: as "
+        "many as --kv-memory-fraction of the free memory holds; on the CPU at most 65,536 tokens or one "
+        "max-context sequence). The load line says what the pool got, in tokens and GB."
     )
 
 
 def kv_memory_fraction_option() -> Any:
     return typer.Option(
-        None, help="GPU: the share of the memory left free after the weights load that the KV pool may fill, when "
-        "--num-cells is not given (default: the executor's share; the load line says what the pool got)."
+        None, help="The share of the device memory left free after the weights load (on the CPU: of the host "
+        "memory available) that the KV pool fills when --num-cells is not given (default: the executor's share, "
+        "0.6; the rest holds CUDA graphs and step activations)."
     )
 
 

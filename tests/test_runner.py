@@ -53,7 +53,7 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 def test_load_report_says_how_steps_run(toy_runner, toy_artifact):
     line = describe_load(toy_runner)
-    assert "KV pool" in line and "(4097 cells)" in line and "every step runs forward_others" in line
+    assert "KV pool 4.2 MB for 4,096 tokens (as asked)" in line and "every step runs forward_others" in line
     forced = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=64, use_static_methods=True))
     try:
         assert "static methods run without them" in describe_load(forced)

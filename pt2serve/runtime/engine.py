@@ -44,7 +44,11 @@ def describe_load(runner: Runner) -> str:
     budget = runner.scheduler.config
     return (
         f"loaded in {executor.artifact.report.load_seconds:.1f} s on {executor.device}: weights "
-        f"{memory.weight_bytes / 1e6:.1f} MB, KV pool {memory.pool_bytes / 1e6:.1f} MB ({memory.num_cells} cells), "
-        f"{graphs}; steps of up to {budget.token_budget} tokens with up to {budget.max_decode_sequences} decodes, "
-        f"prefill chunks of {budget.min_prefill_chunk} tokens or more"
+        f"{_size(memory.weight_bytes)}, KV pool {_size(memory.pool_bytes)} for {memory.num_cells - 1:,} tokens "
+        f"({memory.pool_sized_by}), {graphs}; steps of up to {budget.token_budget} tokens with up to "
+        f"{budget.max_decode_sequences} decodes, prefill chunks of {budget.min_prefill_chunk} tokens or more"
     )
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.1f} MB"
