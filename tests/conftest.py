@@ -67,14 +67,13 @@ def toy_artifact(tmp_path_factory) -> Path:
 
 @pytest.fixture()
 def tiny_server(tiny_artifact):
-    """The tiny artifact served (OpenAI API, no prefix cache) on 127.0.0.1 at a free port: the base URL."""
+    """The tiny artifact served (OpenAI API, the runner's defaults) on 127.0.0.1 at a free port: the base URL."""
     uvicorn = pytest.importorskip("uvicorn")
     from pt2serve.runtime.engine import open_runner
-    from pt2serve.runtime.runner import RunnerConfig
     from pt2serve.serve.app import create_app
     from pt2serve.serve.config import ServerConfig
 
-    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(prefix_cache=False))
+    runner = open_runner(tiny_artifact, device="cpu")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(ServerConfig(model_name="tiny"), runner), log_level="warning"))

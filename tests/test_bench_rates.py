@@ -142,4 +142,4 @@ def test_bad_rate_flags_are_clear_errors(tiny_artifact, args, message):
 def test_rate_flags_belong_to_requests_mode(tiny_artifact):
     for flag, value in (("--request-rates", "1,2"), ("--ttft-target-ms", "50"), ("--max-decode-sequences", "4")):
         result = cli(str(tiny_artifact), "--mode", "sweep", flag, value)
-        assert result.exit_code != 0 and f"{flag} only apply to --mode requests" in result.output
+        assert result.exit_code != 0 and f"{flag} do not apply to --mode sweep" in result.output

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pt2serve.runtime.artifact import load_artifact
+from pt2serve.runtime.artifact import load_artifact, read_metadata, read_tokenizer_json
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.runner import Runner, RunnerConfig
 from pt2serve.tokenizer import Tokenizer, TokenizerFiles
@@ -14,6 +14,11 @@ def artifact_tokenizer(tokenizer_json: str | None, tokenizer_meta: dict | None) 
     if tokenizer_json is None or tokenizer_meta is None:
         return None
     return Tokenizer(TokenizerFiles.from_dict(tokenizer_json, tokenizer_meta))
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The artifact's tokenizer, without loading its methods or weights."""
+    return artifact_tokenizer(read_tokenizer_json(path), read_metadata(path).raw.get("tokenizer"))
 
 
 def open_runner(

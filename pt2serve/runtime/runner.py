@@ -230,6 +230,16 @@ class Runner:
         self._inbox.put(("cancel", handle.id))
         self._wakeup.set()
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (cells that running requests use stay theirs); returns once done."""
+        done = threading.Event()
+        with self._active_lock:
+            if self._stopping:
+                raise Pt2ServeError("the runner is shut down")
+            self._inbox.put(("clear_prefix_cache", done))
+        self._wakeup.set()
+        done.wait()
+
     def close(self) -> None:
         with self._active_lock:
             self._stopping = True
@@ -286,6 +296,9 @@ class Runner:
             if command[0] == "submit":
                 _, handle, spec = command
                 self._start(handle, spec)
+            elif command[0] == "clear_prefix_cache":
+                self.scheduler.prefix_cache.clear()
+                command[1].set()
             else:
                 self._finish(command[1], FinishReason.CANCELLED)
 
