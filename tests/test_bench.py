@@ -239,6 +239,27 @@ def test_chat_workload_against_the_real_server(tiny_artifact, tiny_server):
     assert result.summary["prompt_tokens_reused"] > result.summary["prompt_tokens"] / 2
 
 
+def test_chat_workload_without_a_tokenizer_keeps_token_ids(toy_artifact):
+    """The benchmark presets carry no tokenizer: their conversations are token ids, replies as sampled, so
+    each turn reuses the whole turn before it but its last sampled token (never fed back)."""
+    runner = Runner(Executor(load_artifact(toy_artifact), ExecutorConfig(num_cells=2000)), None, RunnerConfig())
+    try:
+        options = RequestsOptions(workload="chat", requests=3, turns=3, system_tokens=30, prompt_tokens=8,
+                                  max_new_tokens=5, stagger_ms=2)
+        result = drive_runner(runner, options)
+    finally:
+        runner.close()
+    assert result.summary["completed"] == 9
+    turns = {(r.conversation, r.turn): r for r in result.requests}
+    for (conversation, turn), r in turns.items():
+        if turn:
+            before = turns[conversation, turn - 1]
+            assert r.prompt_tokens == before.prompt_tokens + 5 + 8
+            assert r.cached_tokens == before.prompt_tokens + 5 - 1
+        else:
+            assert r.prompt_tokens == 30 + 8
+
+
 def test_chat_script_sizes_text_in_tokens(tiny_artifact):
     from pt2serve.bench.conversations import chat_script
     from pt2serve.runtime.engine import read_tokenizer

@@ -222,6 +222,22 @@ def test_the_cache_frees_exactly_what_a_step_needs_before_anything_is_preempted(
     assert_pool_returns_to_empty(scheduler)
 
 
+def test_a_steps_decodes_take_their_cells_from_the_cache_in_one_eviction():
+    scheduler = make_scheduler(num_cells=41, budget=64, min_chunk=1)  # 40 usable cells
+    add_request_with(scheduler, list(range(100, 120)), max_new=1)
+    run_to_end(scheduler)  # 20 cells cached
+    for start in (5, 6, 7, 8):
+        add_request_with(scheduler, [start, 1, 2, 3], max_new=10)
+    run_step(scheduler)  # 16 prompt cells: 4 left free
+    run_step(scheduler)  # 4 decodes take them
+    asked = []
+    evict = scheduler.prefix_cache.evict
+    scheduler.prefix_cache.evict = lambda count: asked.append(count) or evict(count)
+    plan, _ = run_step(scheduler)
+    assert plan.num_decode == 4 and asked == [4]
+    assert scheduler.prefix_cache.num_cells == 20 - 4 + 16  # (the decoders' prompts are cached too)
+
+
 def test_a_session_keeps_its_path_while_unpinned_ones_are_evicted():
     scheduler = make_scheduler(num_cells=41, budget=64, min_chunk=1)
     chat = list(range(1, 16))

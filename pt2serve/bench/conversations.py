@@ -7,7 +7,9 @@ the text they came back as (which may encode to other ids than the ones sampled)
 what came before it, and what the prefix cache reuses shows in the prompt tokens reused against computed.
 
 Text is random words from a fixed list, sized in tokens with the artifact's tokenizer (without one, against
-a server and no artifact given, one token per word).
+a server and no artifact given, one token per word). In process, an artifact without a tokenizer (the
+benchmark presets) has conversations of token ids instead: the system prompt, then each turn's user ids and
+reply ids appended as they were, with no template.
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ def sized_text(rng: random.Random, num_tokens: int, count: Callable[[str], int])
     return " ".join(words[:fitting])
 
 
+def token_script(options: RequestsOptions, vocab_size: int) -> tuple[list[int], list[list[list[int]]]]:
+    """A system prompt and each conversation's user messages as random token ids."""
+    rng = random.Random(options.seed + 2)
+    system = [rng.randrange(vocab_size) for _ in range(options.system_tokens)]
+    users = [[[rng.randrange(vocab_size) for _ in range(options.prompt_tokens)] for _ in range(options.turns)]
+             for _ in range(options.requests)]
+    return system, users
+
+
 def conversation_timings(options: RequestsOptions) -> list[RequestTiming]:
     """One timing per turn, conversation-major; later turns' arrivals are set when they are sent."""
     timings = []
@@ -83,14 +94,12 @@ def conversation_timings(options: RequestsOptions) -> list[RequestTiming]:
 
 
 def drive_runner_conversations(runner, options: RequestsOptions, progress: Progress | None) -> list[RequestTiming]:
-    """The conversations on an open Runner: templates rendered and tokenized here, replies as their text."""
-    tokenizer = runner.tokenizer
-    if tokenizer is None:
-        raise Pt2ServeError("--workload chat needs an artifact with a tokenizer: it renders a chat template")
-    script = chat_script(options, tokenizer)
+    """The conversations on an open Runner: templates rendered and tokenized here, replies as their text
+    (without a tokenizer: token ids throughout)."""
+    prompt_of = _prompt_renderer(runner, options)
     timings = conversation_timings(options)
-    replies: list[list[str]] = [[] for _ in range(options.requests)]
-    texts: dict[int, list[str]] = {}  # the text of each turn in flight, by timing index
+    replies: list[list[tuple[str, list[int]]]] = [[] for _ in range(options.requests)]
+    said: dict[int, tuple[list[str], list[int]]] = {}  # the text and ids of each turn in flight, by timing index
     handles = {}
     ended: queue.SimpleQueue[int] = queue.SimpleQueue()  # timing indices of turns that ended
     origin = time.perf_counter()
@@ -99,13 +108,15 @@ def drive_runner_conversations(runner, options: RequestsOptions, progress: Progr
         timing.submit = time.perf_counter() - origin
         if timing.turn:
             timing.arrival = timing.submit  # sent as soon as the turn before it ended
-        prompt = tokenizer.encode_chat(script.messages(timing.conversation, replies[timing.conversation]))
+        prompt = prompt_of(timing.conversation, replies[timing.conversation])
         timing.prompt_tokens = len(prompt)
-        texts[timing.index] = parts = []
+        said[timing.index] = parts, ids = [], []
         timer = event_timer(timing, origin, lambda: ended.put(timing.index))
 
         def on_event(event) -> None:  # the engine thread
             parts.append(event.text)
+            if event.token_id is not None:
+                ids.append(event.token_id)
             timer(event)
 
         try:
@@ -140,9 +151,28 @@ def drive_runner_conversations(runner, options: RequestsOptions, progress: Progr
                 turn.error = f"turn {timing.turn} of its conversation failed"
             remaining -= len(later)
         elif later:
-            replies[timing.conversation].append("".join(texts.pop(index)))
+            parts, ids = said.pop(index)
+            replies[timing.conversation].append(("".join(parts), ids))
             send(later[0])
     return timings
+
+
+def _prompt_renderer(runner, options: RequestsOptions) -> Callable[[int, list[tuple[str, list[int]]]], list[int]]:
+    """How a conversation's next prompt is made from its replies so far (each as text and as ids)."""
+    tokenizer = runner.tokenizer
+    if tokenizer is not None:
+        script = chat_script(options, tokenizer)
+        return lambda conversation, replies: tokenizer.encode_chat(
+            script.messages(conversation, [text for text, _ in replies]))
+    system, users = token_script(options, runner.vocab_size)
+
+    def token_ids(conversation: int, replies: list[tuple[str, list[int]]]) -> list[int]:
+        prompt = list(system)
+        for turn, (_, ids) in enumerate(replies):
+            prompt += users[conversation][turn] + ids
+        return prompt + users[conversation][len(replies)]
+
+    return token_ids
 
 
 def _report(progress: Progress | None, timings: list[RequestTiming]) -> None:

@@ -135,6 +135,8 @@ class PrefixCache:
     def evict(self, num_cells: int) -> int:
         """Free up to `num_cells` cells nobody else holds, least recently used first, unpinned before pinned;
         returns how many were freed."""
+        if num_cells <= 0:
+            return 0
         self._expire_pins()
         freed = self._evict(num_cells, include_pinned=False)
         if freed < num_cells:

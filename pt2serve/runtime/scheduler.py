@@ -136,6 +136,8 @@ class Scheduler:
         self._decode_turn %= len(decoding)
         order = decoding[self._decode_turn:] + decoding[:self._decode_turn]
         self._decode_turn += cap
+        # One eviction for all the decodes: the cells they need that the pool lacks, not one call per decode.
+        self.prefix_cache.evict(min(cap, len(order)) - self.allocator.num_free)
         for request_id in order[:cap]:
             if request_id in scheduled or self.requests[request_id].status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an earlier one this step
