@@ -141,6 +141,22 @@ def test_a_pin_follows_its_path_through_a_split():
     assert cache.evict(1) == 1 and reused(cache, [1, 2, 3, 4, 5, 0]) == 4
 
 
+def test_a_pin_goes_with_its_path_and_the_leaf_heap_stays_the_size_of_the_tree():
+    allocator = CellAllocator(64)
+    cache = PrefixCache(allocator)
+    cells = allocator.allocate(3)
+    cache.insert(1, [1, 2, 3], cells)
+    cache.pin("s", 1)
+    cache.release(1)
+    allocator.free(cells)
+    assert cache.evict(3) == 3 and cache.num_pinned == 0  # the pinned path was all that was left
+    # Every reuse of a path leaves a stale entry for its leaf behind: they do not pile up.
+    cached(cache, allocator, 2, [5, 6, 7])
+    for holder in range(10_000):
+        assert reused(cache, [5, 6, 7, 8], holder) == 3
+    assert len(cache._leaves) <= 2 + 64
+
+
 def test_a_disabled_cache_reuses_and_keeps_nothing():
     allocator = CellAllocator(64)
     cache = PrefixCache(allocator, enabled=False)

@@ -62,6 +62,7 @@ class PrefixCache:
         # node is used again, gains a child, becomes held or leaves the tree; a stale entry is skipped on pop.
         self._leaves: list[tuple[int, int, _Node]] = []
         self._seq = itertools.count()
+        self._num_nodes = 0
         self.num_cells = 0  # cells the tree holds a reference on
         self.num_lookups = 0
         self.num_hits = 0  # lookups that reused at least one token
@@ -108,6 +109,7 @@ class PrefixCache:
             child = _Node(ids[depth:].copy(), np.array(cells[depth:len(ids)], dtype=np.int64), node)
             self._allocator.share(child.cells)
             node.children[int(ids[depth])] = child
+            self._num_nodes += 1
             self.num_cells += len(child.cells)
             node = child
         self._use(node)
@@ -155,6 +157,7 @@ class PrefixCache:
         self._held.clear()
         self._pins.clear()
         self._leaves.clear()
+        self._num_nodes = 0
         self.num_cells = 0
 
     def _evict(self, num_cells: int, include_pinned: bool) -> int:
@@ -186,6 +189,10 @@ class PrefixCache:
             parent = node.parent
             del parent.children[key]
             node.in_tree = False
+            self._num_nodes -= 1
+            if node.num_pins:  # the sessions pinned here lose their pins with it
+                for session in [s for s, (pinned, _) in self._pins.items() if pinned is node]:
+                    del self._pins[session]
             self._push_if_free_leaf(parent)
         return count
 
@@ -211,6 +218,7 @@ class PrefixCache:
         parent = node.parent
         head = _Node(node.tokens[:length], node.cells[:length], parent)
         head.num_holders, head.last_used = node.num_holders, node.last_used
+        self._num_nodes += 1
         parent.children[int(node.tokens[0])] = head
         node.tokens, node.cells, node.parent = node.tokens[length:], node.cells[length:], head
         head.children[int(node.tokens[0])] = node
@@ -244,8 +252,13 @@ class PrefixCache:
         self._push_if_free_leaf(end)
 
     def _push_if_free_leaf(self, node: _Node) -> None:
-        if self._is_free_leaf(node):
-            heapq.heappush(self._leaves, (node.last_used, next(self._seq), node))
+        if not self._is_free_leaf(node):
+            return
+        heapq.heappush(self._leaves, (node.last_used, next(self._seq), node))
+        if len(self._leaves) > 2 * self._num_nodes + 64:  # mostly stale entries: keep the heap as big as the tree
+            self._leaves = [entry for entry in self._leaves
+                            if self._is_free_leaf(entry[2]) and entry[0] == entry[2].last_used]
+            heapq.heapify(self._leaves)
 
     def _is_free_leaf(self, node: _Node) -> bool:
         return node.in_tree and node is not self._root and not node.children and node.num_holders == 0
