@@ -55,7 +55,10 @@ def export_command(
         ",".join(map(str, DEFAULT_FORWARD_SIZES)), help="Static step widths, increasing."
     ),
     max_step_tokens: int = typer.Option(DEFAULT_MAX_STEP_TOKENS, help="Widest step forward_others runs."),
-    max_cells: int = typer.Option(DEFAULT_MAX_CELLS, help="Largest KV pool (cells) the runtime may allocate."),
+    max_cells: int = typer.Option(
+        DEFAULT_MAX_CELLS, help="Upper bound on the KV pool (cells) the runtime may allocate; the runtime sizes the "
+        "pool by the memory it finds. The default, 2^40, is no practical cap."
+    ),
     max_context: Optional[int] = typer.Option(None, help="Longest sequence (default: the model's)."),
     graph_entries: int = typer.Option(
         DEFAULT_GRAPH_ENTRIES, help="Context cells one static (graph-captured) step may list in total; steps that "

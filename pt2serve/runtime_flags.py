@@ -1,4 +1,5 @@
-"""The runtime's command-line flags that serve-artifact and bench share: the step budget and the KV pool.
+"""The runtime's command-line flags that serve-artifact and bench share: the step budget, the KV pool and
+the prefix cache.
 
 Each flag defaults to None, which leaves the field out of RunnerConfig / ExecutorConfig so the runtime's
 own default applies; the defaults live there, and the help only says in words what they are. A value a
@@ -39,16 +40,34 @@ def min_prefill_chunk_option() -> Any:
 
 def num_cells_option() -> Any:
     return typer.Option(
-        None, help="KV pool size in cells, one per token of context (default: the artifact's max_cells; on a GPU "
-        "no more than --kv-memory-fraction of the memory free after the weights holds)."
+        None, help="KV pool size in cells, one per token of context, up to the artifact's max_cells (default: as "
+        "many as --kv-memory-fraction of the free memory holds; on the CPU at most 65,536 tokens or one "
+        "max-context sequence). The load line says what the pool got, in tokens and GB."
     )
 
 
 def kv_memory_fraction_option() -> Any:
     return typer.Option(
-        None, help="GPU: the share of the memory left free after the weights load that the KV pool may fill, when "
-        "--num-cells is not given (default: the executor's share; the load line says what the pool got)."
+        None, help="The share of the device memory left free after the weights load (on the CPU: of the host "
+        "memory available) that the KV pool fills when --num-cells is not given (default: the executor's share, "
+        "0.6; the rest holds CUDA graphs and step activations)."
     )
+
+
+def prefix_cache_option() -> Any:
+    return typer.Option(
+        None, "--prefix-cache/--no-prefix-cache", help="Start every request from the longest prefix of its tokens "
+        "whose KV cells are still cached, from any earlier request (default: on; cached cells are freed as soon "
+        "as a step needs them, so the cache costs no pool space)."
+    )
+
+
+def prefix_reuse(enabled: bool | None, session_pin_seconds: float | None = None) -> dict[str, Any]:
+    """The RunnerConfig fields --prefix-cache and --session-pin-seconds set (the ones given), checked."""
+    if session_pin_seconds is not None and not 0 <= session_pin_seconds < float("inf"):
+        raise Pt2ServeError(f"--session-pin-seconds must be a number of seconds >= 0, got {session_pin_seconds}")
+    given = {"prefix_cache": enabled, "session_pin_seconds": session_pin_seconds}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def step_budget(token_budget: int | None, max_decode_sequences: int | None,

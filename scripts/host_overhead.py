@@ -3,7 +3,9 @@
 Usage: python scripts/host_overhead.py ARTIFACT.pt2   (any artifact: only its metadata, tokenizer and pool
 sizes are used). The runner rows replace the executor's step with an instant one that returns the
 toy-greedy successor of each sampled chunk, so what is timed is scheduling, commit, detokenization, stop
-strings and event delivery. Prints microseconds per step; the median of several repeats.
+strings and event delivery; with the prefix cache on and off, for prompts that share nothing (what the
+cache costs when it cannot help), also with a pool so small that the cache evicts in every step.
+Prints microseconds per step; the median of several repeats.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import numpy as np
 
 from pt2serve.runtime.artifact import load_artifact
 from pt2serve.runtime.engine import artifact_tokenizer
-from pt2serve.runtime.executor import CallRecord, Executor, ExecutorConfig, StepResult
+from pt2serve.runtime.executor import CallRecord, Executor, ExecutorConfig, PendingStep, StepResult
 from pt2serve.runtime.runner import Runner, RunnerConfig
 from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.runtime.step import Chunk, pack
 
 GREEDY = SamplingParams()
 REPEATS = 5
+RUNNER_REPEATS = 3  # after one that fills the cache; 4 x 64 prompts keep distinct first tokens in 256
 
 
 def median_us(run, iterations: int) -> float:
@@ -47,30 +50,55 @@ def pack_rows() -> list[tuple[str, float]]:
     ]
 
 
-def runner_row(path: str, num_requests: int, new_tokens: int) -> tuple[str, float]:
+class InstantStep(PendingStep):
+    """A step that ran in no time: each sampled chunk gets the toy-greedy successor of its last token."""
+
+    def __init__(self, chunks: list[Chunk]) -> None:
+        # A decode fed by the last step's sample carries a placeholder: any id does for the host's work.
+        self._result = StepResult(
+            tuple((7 * c.tokens[-1] + 3) % 256 if c.sampling is not None else None for c in chunks),
+            (CallRecord("instant", sum(len(c.tokens) for c in chunks)),),
+        )
+
+    def result(self) -> StepResult:
+        return self._result
+
+
+def runner_row(path: str, num_requests: int, new_tokens: int, prefix_cache: bool,
+               num_cells: int | None = None) -> tuple[str, float]:
+    """Microseconds per step of the runner over an instant executor. With `num_cells`, the cache keeps each
+    repeat's cells for the next, whose steps then find the pool dry and evict the cells they need."""
     artifact = load_artifact(path)
-    executor = Executor(artifact, ExecutorConfig())
-
-    def instant_step(chunks: list[Chunk]) -> StepResult:
-        tokens = tuple((7 * c.tokens[-1] + 3) % 256 if c.sampling is not None else None for c in chunks)
-        return StepResult(tokens, (CallRecord("instant", sum(len(c.tokens) for c in chunks)),))
-
-    executor.step = instant_step
+    executor = Executor(artifact, ExecutorConfig(num_cells=num_cells))
+    executor.launch = InstantStep
     tokenizer = artifact_tokenizer(artifact.tokenizer_json, artifact.metadata.raw.get("tokenizer"))
-    runner = Runner(executor, tokenizer, RunnerConfig(token_budget=num_requests))
-    started = time.perf_counter()
-    handles = [runner.submit([1 + i % 200] * 8, max_new_tokens=new_tokens, sampling=GREEDY, ignore_eos=True,
-                             stop_strings=("</s>",)) for i in range(num_requests)]
-    for handle in handles:
-        handle.result()
-    seconds = time.perf_counter() - started
-    steps = len(runner.step_history)
+    runner = Runner(executor, tokenizer, RunnerConfig(token_budget=num_requests, prefix_cache=prefix_cache))
+    samples = []
+    for repeat in range(RUNNER_REPEATS + 1):
+        rng = np.random.default_rng(repeat)
+        # Prompts that share nothing, in this repeat or with an earlier one: no two start with the same token.
+        prompts = [[repeat * num_requests + i, *rng.integers(0, 256, 7).tolist()] for i in range(num_requests)]
+        steps_before = len(runner.step_history)
+        started = time.perf_counter()
+        handles = [runner.submit(p, max_new_tokens=new_tokens, sampling=GREEDY, ignore_eos=True,
+                                 stop_strings=("</s>",)) for p in prompts]
+        for handle in handles:
+            handle.result()
+        if repeat:  # the first fills the cache
+            samples.append((time.perf_counter() - started) / (len(runner.step_history) - steps_before) * 1e6)
+        if num_cells is None:
+            runner.clear_prefix_cache()
     runner.close()
-    return f"runner: {num_requests} requests x {new_tokens} tokens, instant executor", seconds / steps * 1e6
+    cache = "on" if prefix_cache else "off"
+    pool = f", a pool of {num_cells} cells kept full by the cache" if num_cells else ""
+    return f"runner: {num_requests} requests x {new_tokens} tokens, prefix cache {cache}{pool}", statistics.median(samples)
 
 
 def main() -> None:
-    rows = pack_rows() + [runner_row(sys.argv[1], 64, 200)]
+    path = sys.argv[1]
+    rows = pack_rows() + [runner_row(path, 64, 200, cache) for cache in (False, True)]
+    # 64 x (8 + 40) tokens take 3,072 of 4,097 cells: a repeat after the first runs dry after a few steps.
+    rows += [runner_row(path, 64, 40, cache, num_cells=4097) for cache in (False, True)]
     width = max(len(name) for name, _ in rows)
     print(f"{'what':<{width}}  us/step")
     for name, us in rows:

@@ -2,7 +2,7 @@
 """Soak a running pt2serve server: a seeded mix of traffic for --duration seconds, then checks from the
 server itself (see pt2serve/soak/). Prints the tables last; exits 1 when a check fails.
 
-    pt2serve serve-artifact toy.pt2 --num-cells 384 --max-queued 24 --prefix-cache-entries 8 &
+    pt2serve serve-artifact toy.pt2 --num-cells 384 --max-queued 24 &
     python scripts/soak.py --url http://127.0.0.1:8000 --duration 60 --max-queued 24 --toy-greedy
 """
 

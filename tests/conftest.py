@@ -80,8 +80,8 @@ def toy_artifact(tmp_path_factory) -> Path:
 
 @pytest.fixture()
 def tiny_server(tiny_artifact):
-    """The tiny artifact served (OpenAI API, no prefix cache) on 127.0.0.1 at a free port: the base URL."""
-    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(prefix_cache_entries=0))
+    """The tiny artifact served (OpenAI API, the runner's defaults) on 127.0.0.1 at a free port: the base URL."""
+    runner = open_runner(tiny_artifact, device="cpu")
     thread = served(runner, "tiny")
     yield thread.url
     thread.stop()

@@ -81,7 +81,7 @@ def test_sweep_rows_are_exactly_t_wide(sweep_result, executor):
 
 
 def test_sweep_then_requests_share_one_executor(sweep_result, executor, tokenizer):
-    runner = Runner(executor, tokenizer, RunnerConfig(prefix_cache_entries=0))
+    runner = Runner(executor, tokenizer, RunnerConfig())  # closing it empties the prefix cache too
     try:
         result = drive_runner(runner, RequestsOptions(requests=6, prompt_tokens=20, max_new_tokens=6, stagger_ms=3))
     finally:
@@ -294,6 +294,86 @@ def test_requests_cli_poisson_in_process(tiny_artifact, tmp_path):
         assert 0 <= r["ttft"] <= r["e2e"]
         assert r["tpot"] > 0  # its formula: test_arrivals_and_summary, on hand-computed numbers
     assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+CHAT = ["--workload", "chat", "--requests", "4", "--turns", "3", "--system-tokens", "60", "--prompt-tokens", "12",
+        "--max-new-tokens", "6", "--stagger-ms", "2"]
+
+
+def chat_turns(doc: dict) -> dict[tuple[int, int], dict]:
+    return {(r["conversation"], r["turn"]): r for r in doc["requests"]}
+
+
+def test_chat_workload_reuses_the_system_prompt_and_every_earlier_turn(tiny_artifact, tmp_path):
+    out_json = tmp_path / "chat.json"
+    result = cli(str(tiny_artifact), "--mode", "requests", *CHAT, "--json", str(out_json))
+    assert result.exit_code == 0, result.output
+    assert "TTFT, first turns" in result.output and "TTFT, later turns" in result.output
+    doc = json.loads(out_json.read_text())
+    s = doc["summary"]
+    assert s["completed"] == 12 and s["output_tokens"] == 12 * 6
+    assert s["prompt_tokens_reused"] + s["prompt_tokens_computed"] == s["prompt_tokens"]
+    assert s["ttft_first_turns_seconds"]["count"] == 4 and s["ttft_later_turns_seconds"]["count"] == 8
+    turns = chat_turns(doc)
+    system = 60  # at least: the template wraps the shared system prompt in more tokens
+    for (conversation, turn), r in turns.items():
+        if turn:  # everything the turn before it sent is reused (the reply after it came back as text)
+            assert r["cached_tokens"] >= turns[conversation, turn - 1]["prompt_tokens"]
+            assert r["arrival"] >= turns[conversation, turn - 1]["end"]
+        elif conversation:  # a later conversation starts from the system prompt the first one computed
+            assert r["cached_tokens"] >= system
+    cold = tmp_path / "cold.json"
+    assert cli(str(tiny_artifact), "--mode", "requests", *CHAT, "--no-prefix-cache", "--json", str(cold)).exit_code == 0
+    s_cold = json.loads(cold.read_text())["summary"]
+    assert s_cold["prompt_tokens_reused"] == 0 and s_cold["prompt_tokens_computed"] == s_cold["prompt_tokens"]
+
+
+def test_chat_workload_against_the_real_server(tiny_artifact, tiny_server):
+    options = RequestsOptions(workload="chat", requests=3, turns=3, system_tokens=60, prompt_tokens=12,
+                              max_new_tokens=6, url=tiny_server, seed=9)
+    result = run_requests(tiny_artifact, options)
+    assert result.summary["completed"] == 9
+    turns = {(r.conversation, r.turn): r for r in result.requests}
+    for (conversation, turn), r in turns.items():
+        if turn:
+            assert r.cached_tokens >= turns[conversation, turn - 1].prompt_tokens
+    assert result.summary["prompt_tokens_reused"] > result.summary["prompt_tokens"] / 2
+
+
+def test_chat_workload_without_a_tokenizer_keeps_token_ids(toy_artifact):
+    """The benchmark presets carry no tokenizer: their conversations are token ids, replies as sampled, so
+    each turn reuses the whole turn before it but its last sampled token (never fed back)."""
+    runner = Runner(Executor(load_artifact(toy_artifact), ExecutorConfig(num_cells=2000)), None, RunnerConfig())
+    try:
+        options = RequestsOptions(workload="chat", requests=3, turns=3, system_tokens=30, prompt_tokens=8,
+                                  max_new_tokens=5, stagger_ms=2)
+        result = drive_runner(runner, options)
+    finally:
+        runner.close()
+    assert result.summary["completed"] == 9
+    turns = {(r.conversation, r.turn): r for r in result.requests}
+    for (conversation, turn), r in turns.items():
+        if turn:
+            before = turns[conversation, turn - 1]
+            assert r.prompt_tokens == before.prompt_tokens + 5 + 8
+            assert r.cached_tokens == before.prompt_tokens + 5 - 1
+        else:
+            assert r.prompt_tokens == 30 + 8
+
+
+def test_chat_script_sizes_text_in_tokens(tiny_artifact):
+    from pt2serve.bench.conversations import chat_script
+    from pt2serve.runtime.engine import read_tokenizer
+
+    tokenizer = read_tokenizer(tiny_artifact)
+    options = RequestsOptions(workload="chat", requests=2, turns=2, system_tokens=50, prompt_tokens=20)
+    script = chat_script(options, tokenizer)
+    count = [len(tokenizer.encode(text, add_bos=False)) for text in [script.system, *sum(script.users, [])]]
+    assert 50 - 10 < count[0] <= 50 and all(20 - 10 < n <= 20 for n in count[1:])  # a word is a few bytes
+    assert script.users[0] != script.users[1]
+    messages = script.messages(1, ["the first reply"])
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[-1]["content"] == script.users[1][1]
 
 
 def test_arrivals_and_summary():

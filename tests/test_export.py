@@ -31,7 +31,7 @@ from pt2serve.contract import (
 )
 from pt2serve.export.exporter import model_weights
 from pt2serve.export.methods import MethodSpec, trace_forward
-from pt2serve.export.options import DEFAULT_FORWARD_SIZES, DEFAULT_MIN_PREFILL_CHUNK, ExportOptions
+from pt2serve.export.options import DEFAULT_FORWARD_SIZES, DEFAULT_MAX_CELLS, DEFAULT_MIN_PREFILL_CHUNK, ExportOptions
 from pt2serve.export.package import tensor_bytes, weights_hash
 from pt2serve.model.eager import EagerSequence
 from pt2serve.model.presets import build_preset_model, byte_tokenizer_files, get_preset
@@ -228,6 +228,28 @@ def test_every_flag_set_that_validates_can_be_traced(model):
         trace_forward(model, MethodSpec(FORWARD_OTHERS), options.max_step_tokens, options.max_cells)
     except Exception as err:  # noqa: BLE001 - any failure here is the bug
         pytest.fail(f"validate() accepted flags that cannot be traced: {type(err).__name__}: {err}")
+
+
+def test_the_default_max_cells_caps_no_pool_a_machine_can_hold(model):
+    """Traced with the default bound, a forward takes a pool of more cells than the old default (65,537)
+    and reads and writes cells past it as the eager model does."""
+    assert DEFAULT_MAX_CELLS >= 2**40 and ExportOptions("cpu", Path("x.pt2")).max_cells == DEFAULT_MAX_CELLS
+    program, _ = trace_forward(model, MethodSpec(FORWARD_OTHERS), TEST_MAX_STEP_TOKENS, DEFAULT_MAX_CELLS)
+    assert str(DEFAULT_MAX_CELLS + 1) in {str(r.upper) for r in program.range_constraints.values()}
+    num_cells = 70_000
+    rng = np.random.default_rng(7)
+    chunks = random_chunks(rng, [20, 7], num_cells, model.config.vocab_size, sample_every=1)
+    assert max(int(c.cells.max()) for c in chunks) > 65_537
+    call = pack(list(enumerate(chunks)), FORWARD_OTHERS, None, None)
+    k_pools, v_pools = random_pools(model.config, num_cells, seed=7)
+    inputs = split_inputs(call)
+    ck, cv, ek, ev = (clone_pools(p) for p in (k_pools, v_pools, k_pools, v_pools))
+    with torch.no_grad():
+        traced = program.module()(*inputs, ck, cv)
+        eager = model(*inputs, ek, ev)
+    torch.testing.assert_close(traced, eager, atol=TOLERANCE, rtol=0)
+    write_cells = inputs[FORWARD_INPUTS.index("write_cells")]
+    assert_writes_only_addressed(k_pools, ck, ek, write_cells)
 
 
 def test_every_method_is_loaded_by_name(artifact):

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from pt2serve.cli import app
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.engine import describe_load, open_runner
-from pt2serve.runtime.executor import ExecutorConfig
+from pt2serve.runtime.artifact import load_artifact
+from pt2serve.runtime.executor import CPU_POOL_TOKENS, Executor, ExecutorConfig
 from pt2serve.runtime.runner import DEFAULT_TOKEN_BUDGET, RunnerConfig
 
 BUDGET_FLAGS = ["--token-budget", "40", "--max-decode-sequences", "3", "--min-prefill-chunk", "5"]
@@ -42,11 +43,11 @@ def serve(artifact, *args: str):
 
 def test_serve_flags_reach_the_configs(tiny_artifact, captured_configs):
     result = serve(tiny_artifact, *BUDGET_FLAGS, "--num-cells", "900", "--kv-memory-fraction", "0.3",
-                   "--max-sessions", "7")
+                   "--max-sessions", "7", "--session-pin-seconds", "30", "--no-prefix-cache")
     assert "stopped by the test" in result.output, result.output
     runner, executor = captured_configs["runner"], captured_configs["executor"]
     assert (runner.token_budget, runner.max_decode_sequences, runner.min_prefill_chunk) == (40, 3, 5)
-    assert runner.max_sessions == 7
+    assert (runner.max_sessions, runner.session_pin_seconds, runner.prefix_cache) == (7, 30.0, False)
     assert (executor.num_cells, executor.kv_memory_fraction) == (900, 0.3)
 
 
@@ -65,6 +66,7 @@ def test_serve_flags_left_out_keep_the_runtime_defaults(tiny_artifact, captured_
         (["--num-cells", "1"], "--num-cells must be at least 2"),
         (["--kv-memory-fraction", "1.5"], "kv_memory_fraction must be in (0, 0.95]"),
         (["--kv-memory-fraction", "0"], "kv_memory_fraction must be in (0, 0.95]"),
+        (["--session-pin-seconds", "-1"], "--session-pin-seconds must be a number of seconds >= 0, got -1.0"),
     ],
 )
 def test_serve_bad_values_are_clear_errors(tiny_artifact, captured_configs, args, message):
@@ -91,10 +93,11 @@ def test_bench_flags_reach_the_scheduler_and_the_pool(tiny_artifact, tmp_path):
 
 def test_bench_flags_reach_the_configs(tiny_artifact, captured_configs):
     result = CliRunner().invoke(app, ["bench", str(tiny_artifact), "--mode", "requests", *BUDGET_FLAGS,
-                                      "--num-cells", "900", "--kv-memory-fraction", "0.3"])
+                                      "--num-cells", "900", "--kv-memory-fraction", "0.3", "--no-prefix-cache"])
     assert "stopped by the test" in result.output, result.output
     runner, executor = captured_configs["runner"], captured_configs["executor"]
     assert (runner.token_budget, runner.max_decode_sequences, runner.min_prefill_chunk) == (40, 3, 5)
+    assert runner.prefix_cache is False
     assert (executor.num_cells, executor.kv_memory_fraction) == (900, 0.3)
 
 
@@ -131,7 +134,7 @@ def test_load_line_states_the_step_budget(tiny_artifact):
         line = describe_load(runner)
     finally:
         runner.close()
-    assert "(900 cells)" in line
+    assert "KV pool 0.5 MB for 899 tokens (as asked)" in line
     assert "steps of up to 40 tokens with up to 3 decodes, prefill chunks of 5 tokens or more" in line
 
 
@@ -145,3 +148,43 @@ def test_help_says_the_runner_defaults(command):
     assert "the token budget" in helps["max_decode_sequences"]
     assert "the artifact's" in helps["min_prefill_chunk"]
     assert params["num_cells"].default is None
+    assert f"{CPU_POOL_TOKENS:,} tokens" in helps["num_cells"]
+    assert f"share, {ExecutorConfig.kv_memory_fraction:g};" in helps["kv_memory_fraction"]
+
+
+# -- the pool's size ------------------------------------------------------------------------------------------
+
+CELL_BYTES = 2 * 2 * 2 * 16 * 4  # tiny: 2 layers x (K, V) x 2 kv heads x head dim 16 x fp32
+
+
+def executor_finding(tiny_artifact, monkeypatch, free_bytes: int, max_cells: int | None = None, **config):
+    """An executor over the tiny artifact on a machine that reports `free_bytes` of free memory."""
+    monkeypatch.setattr("pt2serve.runtime.executor._free_memory_bytes", lambda device: free_bytes)
+    artifact = load_artifact(tiny_artifact, device="cpu")
+    if max_cells is not None:  # as if exported with this --max-cells (no step runs: only the pool is sized)
+        artifact.metadata.raw["max_cells"] = max_cells
+    return Executor(artifact, ExecutorConfig(**config))
+
+
+def test_the_pool_takes_its_share_of_the_free_memory(tiny_artifact, monkeypatch):
+    executor = executor_finding(tiny_artifact, monkeypatch, 1000 * CELL_BYTES, kv_memory_fraction=0.5)
+    memory = executor.memory
+    assert memory.num_cells == executor.allocator.num_cells == 500
+    assert memory.pool_bytes == 500 * CELL_BYTES
+    assert memory.pool_sized_by == "50% of the host memory available"
+
+
+def test_the_artifacts_max_cells_and_the_cpu_default_bound_the_pool(tiny_artifact, monkeypatch):
+    plenty = 10**6 * CELL_BYTES
+    bounded = executor_finding(tiny_artifact, monkeypatch, plenty).memory
+    assert (bounded.num_cells, bounded.pool_sized_by) == (4097, "the artifact's max_cells")
+    unbounded = executor_finding(tiny_artifact, monkeypatch, plenty, max_cells=2**40).memory
+    assert (unbounded.num_cells, unbounded.pool_sized_by) == (CPU_POOL_TOKENS + 1, "the CPU default")
+    asked = executor_finding(tiny_artifact, monkeypatch, plenty, max_cells=2**40, num_cells=CPU_POOL_TOKENS * 2)
+    assert asked.memory.num_cells == CPU_POOL_TOKENS * 2  # --num-cells is bounded by max_cells alone
+
+
+def test_too_little_memory_for_one_sequence_is_a_clear_error(tiny_artifact, monkeypatch):
+    with pytest.raises(Pt2ServeError, match=r"only 200 KV cells fit in 50% of the host memory available, fewer "
+                                            r"than one max-context sequence needs \(257\)"):
+        executor_finding(tiny_artifact, monkeypatch, 400 * CELL_BYTES, kv_memory_fraction=0.5)

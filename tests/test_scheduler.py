@@ -33,6 +33,13 @@ def add_request(scheduler: Scheduler, prompt_len: int, max_new: int = 1000, **sp
     return request
 
 
+def assert_pool_returns_to_empty(scheduler: Scheduler) -> None:
+    """Every cell still in use is the prefix cache's alone, and clearing the cache empties the pool."""
+    assert scheduler.allocator.num_used == scheduler.prefix_cache.num_cells
+    scheduler.prefix_cache.clear()
+    assert scheduler.allocator.num_used == 0
+
+
 def run_step(scheduler: Scheduler):
     """Plan, then commit as if the executor sampled NEXT_TOKEN wherever asked."""
     plan = scheduler.plan()
@@ -105,7 +112,7 @@ def test_finish_by_length_and_stop_token_frees_cells():
     reasons = {e.request_id: e.finish_reason for e in events if e.finish_reason}
     assert reasons == {by_length.id: FinishReason.LENGTH, by_stop.id: FinishReason.STOP}
     assert by_length.stats.completion_tokens == 3
-    assert scheduler.allocator.num_used == 0
+    assert_pool_returns_to_empty(scheduler)
 
 
 class ContextModel:
@@ -177,7 +184,7 @@ def test_preempted_requests_produce_their_solo_tokens(drive):
     for request, expected in zip(crowded, solo):
         assert request.finish_reason is FinishReason.LENGTH
         assert request.tokens == expected, f"request {request.id} ({request.stats.preemptions} preemptions)"
-    assert scheduler.allocator.num_used == 0
+    assert_pool_returns_to_empty(scheduler)
 
 
 def test_failed_step_fails_only_its_requests():
@@ -194,52 +201,134 @@ def test_failed_step_fails_only_its_requests():
     assert second.stats.completion_tokens > 0
 
 
-def test_session_reuse_and_reset():
-    scheduler = make_scheduler(max_sessions=4)
-    first = add_request(scheduler, 10, max_new=3, session_id="s")
-    while scheduler.has_work():
-        run_step(scheduler)
-    history = first.tokens  # 10 prompt + 3 generated; the last one was never computed
-    second = add_request_with(scheduler, history + [7, 8], session_id="s")
-    run_step(scheduler)
-    assert second.stats.reused_tokens == 12
-    assert second.stats.prefilled_tokens == 3
-    while scheduler.has_work():
-        run_step(scheduler)
-    other = add_request_with(scheduler, [9, 9, 9], session_id="s")  # does not extend: reset
-    run_step(scheduler)
-    assert other.stats.reused_tokens == 0
-    while scheduler.has_work():
-        run_step(scheduler)
-    scheduler.sessions.clear()
-    assert scheduler.allocator.num_used == 0
-
-
-def test_prefix_cache_reuses_longest_prefix_and_evicts_lru():
-    scheduler = make_scheduler(prefix_cache_entries=2)
-    first = add_request_with(scheduler, list(range(1, 21)), max_new=2)
-    while scheduler.has_work():
-        run_step(scheduler)
-    second = add_request_with(scheduler, list(range(1, 16)) + [99, 98], max_new=2)
-    run_step(scheduler)
-    assert second.stats.reused_tokens == 15
-    while scheduler.has_work():
-        run_step(scheduler)
-    assert scheduler.prefix_cache.hit_rate == pytest.approx(1 / 2)
-    for start in (500, 600, 700):
-        add_request_with(scheduler, list(range(start, start + 5)), max_new=1)
-        while scheduler.has_work():
-            run_step(scheduler)
-    assert len(scheduler.prefix_cache) == 2
-    scheduler.prefix_cache.clear()
-    assert scheduler.allocator.num_used == 0
-    del first
-
-
 def add_request_with(scheduler: Scheduler, prompt: list[int], max_new: int = 4, **spec) -> Request:
     request = Request(next(_ids), RequestSpec(tuple(prompt), max_new, **spec), list(prompt), RequestRandom(0))
     scheduler.add(request)
     return request
+
+
+# -- prefix reuse ---------------------------------------------------------------------------------------------
+
+
+def run_to_end(scheduler: Scheduler) -> None:
+    while scheduler.has_work():
+        run_step(scheduler)
+
+
+def test_any_request_reuses_the_longest_cached_prefix():
+    scheduler = make_scheduler()
+    add_request_with(scheduler, list(range(1, 21)), max_new=2)
+    run_to_end(scheduler)
+    second = add_request_with(scheduler, list(range(1, 16)) + [99, 98], max_new=2)
+    plan, _ = run_step(scheduler)
+    assert second.stats.reused_tokens == 15 and plan.chunks[0].start == 15
+    assert second.stats.prefilled_tokens == 2
+    run_to_end(scheduler)
+    # A session names nothing the cache needs: an unrelated prompt under a session id reuses nothing.
+    cold = add_request_with(scheduler, [500, 501, 502], session_id="s")
+    run_to_end(scheduler)
+    assert cold.stats.reused_tokens == 0
+    # Tokens looked up: 20 + 17 + 3; reused: 15.
+    assert scheduler.prefix_cache.hit_rate == pytest.approx(15 / 40)
+    assert_pool_returns_to_empty(scheduler)
+
+
+def test_a_conversation_whose_reply_comes_back_retokenized_reuses_every_earlier_turn():
+    """Each turn's prompt is the last turn's prompt, the reply as the client re-encoded it (other ids than
+    the ones sampled), and a new message: the reuse covers every earlier prompt in full."""
+    scheduler = make_scheduler(min_chunk=1)
+    prompt = [256] + list(range(10, 40))
+    for turn in range(4):
+        request = add_request_with(scheduler, prompt, max_new=3)
+        run_to_end(scheduler)
+        assert request.tokens[len(prompt):] == [NEXT_TOKEN] * 3
+        assert request.stats.reused_tokens == (0 if turn == 0 else previous_length)
+        previous_length = len(prompt)
+        prompt = prompt + [60 + turn, 61 + turn] + [100 + turn] * 5  # the reply re-encoded, then a new message
+    assert_pool_returns_to_empty(scheduler)
+
+
+def test_concurrent_prompts_reuse_a_shared_prefix_as_soon_as_it_is_computed():
+    scheduler = make_scheduler(budget=40, min_chunk=8)
+    system = list(range(1, 61))
+    first = add_request_with(scheduler, system + [70, 71], max_new=50)
+    run_step(scheduler)
+    run_step(scheduler)  # the first's prompt is computed and committed; it keeps decoding
+    second = add_request_with(scheduler, system + [80], max_new=2)
+    run_step(scheduler)
+    assert first.status is RequestStatus.RUNNING
+    assert second.stats.reused_tokens == 60 and second.stats.prefilled_tokens == 1
+
+
+def test_the_cache_frees_exactly_what_a_step_needs_before_anything_is_preempted():
+    scheduler = make_scheduler(num_cells=41, budget=64, min_chunk=1)  # 40 usable cells
+    old = list(range(1, 21))
+    add_request_with(scheduler, old, max_new=1)
+    run_to_end(scheduler)
+    assert scheduler.prefix_cache.num_cells == 20  # 20 prompt tokens (the sample was never fed back)
+    newer = list(range(100, 110))
+    add_request_with(scheduler, newer, max_new=1)
+    run_to_end(scheduler)
+    assert scheduler.prefix_cache.num_cells == 30
+    big = add_request_with(scheduler, list(range(200, 221)), max_new=1)
+    run_to_end(scheduler)  # needs 21 cells of the 10 free: 11 come from the least recently used path's tail
+    assert big.stats.completion_tokens == 1 and scheduler.prefix_cache.num_cells == 9 + 10 + 21
+    later = add_request_with(scheduler, newer + [1], max_new=1)
+    run_to_end(scheduler)  # its one new cell comes from the same tail; the newer path is whole
+    assert later.stats.reused_tokens == 10
+    again = add_request_with(scheduler, old, max_new=1)
+    run_step(scheduler)
+    assert again.stats.reused_tokens == 8  # what is left of the older path
+    run_to_end(scheduler)
+    assert_pool_returns_to_empty(scheduler)
+
+
+def test_a_steps_decodes_take_their_cells_from_the_cache_in_one_eviction():
+    scheduler = make_scheduler(num_cells=41, budget=64, min_chunk=1)  # 40 usable cells
+    add_request_with(scheduler, list(range(100, 120)), max_new=1)
+    run_to_end(scheduler)  # 20 cells cached
+    for start in (5, 6, 7, 8):
+        add_request_with(scheduler, [start, 1, 2, 3], max_new=10)
+    run_step(scheduler)  # 16 prompt cells: 4 left free
+    run_step(scheduler)  # 4 decodes take them
+    asked = []
+    evict = scheduler.prefix_cache.evict
+    scheduler.prefix_cache.evict = lambda count: asked.append(count) or evict(count)
+    plan, _ = run_step(scheduler)
+    assert plan.num_decode == 4 and asked == [4]
+    assert scheduler.prefix_cache.num_cells == 20 - 4 + 16  # (the decoders' prompts are cached too)
+
+
+def test_a_session_keeps_its_path_while_unpinned_ones_are_evicted():
+    scheduler = make_scheduler(num_cells=41, budget=64, min_chunk=1)
+    chat = list(range(1, 16))
+    add_request_with(scheduler, chat, max_new=1, session_id="chat")
+    run_to_end(scheduler)
+    add_request_with(scheduler, list(range(100, 116)), max_new=1)  # used after the session's, unpinned
+    run_to_end(scheduler)
+    add_request_with(scheduler, list(range(200, 221)), max_new=1)  # needs 21 of 10 free: 11 evicted
+    run_to_end(scheduler)
+    follow_up = add_request_with(scheduler, chat + [50])
+    run_step(scheduler)
+    assert follow_up.stats.reused_tokens == 15
+
+
+def test_a_preempted_request_restarts_from_what_the_cache_kept_of_it():
+    scheduler = make_scheduler(num_cells=41, budget=64, min_chunk=1)  # 40 usable cells
+    pair = [add_request_with(scheduler, list(range(start, start + 16)), max_new=new)
+            for start, new in ((1, 6), (100, 10))]
+    computed, restarts = {r.id: 0 for r in pair}, []
+    while scheduler.has_work():
+        plan, _ = run_step(scheduler)
+        for chunk in plan.chunks:
+            if chunk.start < computed[chunk.request_id]:
+                restarts.append(chunk.start)
+            computed[chunk.request_id] = chunk.start + chunk.num_tokens
+    # Both decode until the pool runs dry and the second is preempted. It restarts from the cells of its
+    # known tokens, generated ones included (all but the one cell the first needed), not from its prompt.
+    assert restarts == [16 + 4 - 1]
+    assert [r.stats.completion_tokens for r in pair] == [6, 10]
+    assert_pool_returns_to_empty(scheduler)
 
 
 # -- planning with one step in flight --------------------------------------------------------------------
@@ -263,7 +352,7 @@ def test_a_plan_made_while_the_last_runs_decodes_its_in_flight_samples():
     events = scheduler.commit(third, (13,))
     assert request.tokens[5:] == [11, 12, 13]
     assert events[-1].finish_reason is FinishReason.LENGTH
-    assert scheduler.allocator.num_used == 0
+    assert_pool_returns_to_empty(scheduler)
 
 
 def test_a_stop_token_found_late_drops_the_queued_decode_and_its_cell():
@@ -274,9 +363,12 @@ def test_a_stop_token_found_late_drops_the_queued_decode_and_its_cell():
     events = scheduler.commit(prefill, (9,))
     assert events[0].finish_reason is FinishReason.STOP and request.status is RequestStatus.FINISHED
     assert scheduler.commit(decode, (3,)) == []  # the queued decode's sample is dropped
-    # The session keeps the cells of the known tokens: 4 prompt tokens + the stop token, whose K/V the queued
-    # decode writes (stream order puts that before any later step that reuses them).
-    assert len(scheduler.sessions.take("s").cells) == 5
+    # The cache keeps the cells of the known tokens, pinned under the session: 4 prompt tokens + the stop
+    # token, whose K/V the queued decode writes (stream order puts that before any later step that reuses them).
+    assert scheduler.prefix_cache.num_cells == 5 and scheduler.prefix_cache.num_pinned == 1
+    follow_up = add_request_with(scheduler, request.tokens + [7, 8])
+    scheduler.plan()
+    assert follow_up.stats.reused_tokens == 5
 
 
 def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
@@ -296,17 +388,18 @@ def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
     events = scheduler.commit(prefill, (21,))
     assert [(e.request_id, e.token, e.finish_reason) for e in events] == [(first.id, 21, FinishReason.LENGTH)]
     assert scheduler.commit(plan, (22,)) == []
-    assert first.tokens[8:] == [21] and scheduler.allocator.num_used == 0
+    assert first.tokens[8:] == [21]
+    assert_pool_returns_to_empty(scheduler)
 
 
 def test_leaked_cells_are_the_used_cells_nothing_holds():
-    scheduler = make_scheduler(prefix_cache_entries=4)
+    scheduler = make_scheduler()
     add_request(scheduler, 10, max_new=3, session_id="chat")
-    add_request(scheduler, 10, max_new=3)  # the same prompt: its prefix shares the session's cells
+    add_request(scheduler, 10, max_new=3)  # the same prompt: its prefix shares the cached cells
     while scheduler.has_work():
         run_step(scheduler)
         assert scheduler.num_leaked_cells() == 0
-    assert scheduler.allocator.num_used > 0  # kept by the session and the prefix cache, not leaked
+    assert scheduler.allocator.num_used > 0  # kept by the prefix cache, not leaked
     assert scheduler.num_leaked_cells() == 0
     scheduler.allocator.allocate(3)  # cells nobody holds
     assert scheduler.num_leaked_cells() == 3

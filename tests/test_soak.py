@@ -20,7 +20,7 @@ KINDS = {"complete", "complete_stream", "chat", "chat_stream", "stop", "session"
 
 def test_soak_on_the_cpu(toy_artifact, tmp_path):
     served = ServeProcess(toy_artifact, "--num-cells", "640", "--max-queued", str(MAX_QUEUED), "--max-sessions", "8",
-                          "--prefix-cache-entries", "8", "--drain-timeout", "10")
+                          "--drain-timeout", "10")
     try:
         report_path = tmp_path / "soak.json"
         command = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--url", served.url, "--duration",

@@ -15,6 +15,8 @@ from pt2serve.runtime_flags import (
     max_decode_sequences_option,
     min_prefill_chunk_option,
     num_cells_option,
+    prefix_cache_option,
+    prefix_reuse,
     step_budget,
     token_budget_option,
 )
@@ -38,6 +40,9 @@ _HELP = f"""Benchmark an artifact: throughput per step width (sweep) or latency 
 - output tok/s = all output tokens / (last end - first submit); req/s = completed requests / the same time; p50/p90/p99 of each latency
 - goodput = requests with TTFT <= --ttft-target-ms and TPOT <= --tpot-target-ms (none for one-token answers), per second of the same time. The default targets, {DEFAULT_TTFT_TARGET_MS:g} ms and {DEFAULT_TPOT_TARGET_MS:g} ms, are MLPerf Inference's server-scenario limits for Llama 3.1 8B: a reply starts within 2 s and then streams at 10 tokens/s or faster, quicker than people read (MLPerf holds its p99 to them; goodput counts each request).
 - in-process: steps = runner steps the workload took, mean width = their tokens / steps; the step budget (--token-budget, --max-decode-sequences, --min-prefill-chunk) is the runner's unless given
+- prompt tokens reused = those whose KV cells came from the prefix cache (usage.prompt_tokens_details.cached_tokens); computed = the rest. --no-prefix-cache runs without it (in-process), for a before/after.
+
+--workload chat: --requests conversations, each --turns turns long, all starting with one system prompt of --system-tokens; each turn is a user message of --prompt-tokens and a reply of --max-new-tokens, sent as the whole conversation so far through the chat template (in-process the artifact's; with --url POST /v1/chat/completions), the replies as the text they came back as, each turn as soon as the last one ended. In process, an artifact without a tokenizer has conversations of token ids (system, then each user turn and reply as sampled). TTFT is also shown for first turns and later turns apart.
 
 --mode quality --reference REF.pt2: the artifact (e.g. quantized) against REF (e.g. its bf16 export) on --requests prompts of --prompt-tokens random token ids, then REF's greedy continuation of --max-new-tokens, fed token by token to both:
 
@@ -65,8 +70,18 @@ def bench_command(
         None, help="sweep: the context the decoding requests decode at, their prompt length (default 8); "
         "e.g. 4096 measures long-context decode, the KV read counted in the limit."
     ),
-    prompt_tokens: Optional[int] = typer.Option(None, help="requests and quality: prompt length (default 128)."),
-    requests: int = typer.Option(32, help="requests: how many; quality: how many prompts."),
+    prompt_tokens: Optional[int] = typer.Option(
+        None, help="requests and quality: prompt length (default 128); chat: each user message's length."
+    ),
+    workload: Optional[str] = typer.Option(
+        None, help="requests: random (prompts of random token ids, the default) or chat (multi-turn conversations "
+        "sharing a system prompt; see above)."
+    ),
+    turns: Optional[int] = typer.Option(None, help="requests, chat workload: turns per conversation (default 6)."),
+    system_tokens: Optional[int] = typer.Option(
+        None, help="requests, chat workload: tokens of the shared system prompt (default 1024)."
+    ),
+    requests: int = typer.Option(32, help="requests: how many (chat: conversations); quality: how many prompts."),
     max_new_tokens: int = typer.Option(64, help="requests: output tokens per request; quality: positions per prompt."),
     stagger_ms: Optional[float] = typer.Option(None, help="requests: fixed gap between arrivals (default 0)."),
     request_rate: Optional[float] = typer.Option(None, help="requests: Poisson arrivals at this rate (req/s)."),
@@ -83,6 +98,7 @@ def bench_command(
     token_budget: Optional[int] = token_budget_option(),
     max_decode_sequences: Optional[int] = max_decode_sequences_option(),
     min_prefill_chunk: Optional[int] = min_prefill_chunk_option(),
+    prefix_cache: Optional[bool] = prefix_cache_option(),
     url: Optional[str] = typer.Option(None, help="requests: drive the server at this URL instead (e.g. http://127.0.0.1:8000)."),
     model: Optional[str] = typer.Option(None, help="requests with --url: model name (default: the server's first)."),
     device: Optional[str] = typer.Option(None, help="Load onto this device (default: what the artifact was built for)."),
@@ -113,10 +129,10 @@ def locals_without(values: dict, *names: str) -> dict:
 
 
 def _run(
-    artifact, mode, reference, tokens, warmup, iters, decode_cap, prefill_chunk, context, prompt_tokens, requests,
-    max_new_tokens, stagger_ms, request_rate, request_rates, ttft_target_ms, tpot_target_ms, seed, token_budget,
-    max_decode_sequences, min_prefill_chunk, url, model, device, num_cells, kv_memory_fraction, no_cuda_graphs,
-    timeout, eager_peer, json_path, plot,
+    artifact, mode, reference, tokens, warmup, iters, decode_cap, prefill_chunk, context, prompt_tokens, workload,
+    turns, system_tokens, requests, max_new_tokens, stagger_ms, request_rate, request_rates, ttft_target_ms,
+    tpot_target_ms, seed, token_budget, max_decode_sequences, min_prefill_chunk, prefix_cache, url, model, device,
+    num_cells, kv_memory_fraction, no_cuda_graphs, timeout, eager_peer, json_path, plot,
 ) -> None:
     # Every flag as given, for the JSON report (taken first, before the imports below add names).
     flags = {("json" if name == "json_path" else name): value for name, value in locals().items()}
@@ -132,14 +148,16 @@ def _run(
         raise Pt2ServeError(f"unknown --mode {mode!r}: choose {' or '.join(MODES)}")
     # The sweep sets its own step budget per row; a server (--url) has its own runner and pool.
     runner_flags = {"--token-budget": token_budget, "--max-decode-sequences": max_decode_sequences,
-                    "--min-prefill-chunk": min_prefill_chunk}
+                    "--min-prefill-chunk": min_prefill_chunk,
+                    "--prefix-cache/--no-prefix-cache": prefix_cache}
+    chat_flags = {"--workload": workload, "--turns": turns, "--system-tokens": system_tokens}
     wrong_mode = {
-        "sweep": {"--stagger-ms": stagger_ms, "--request-rate": request_rate, "--request-rates": request_rates,
-                  "--ttft-target-ms": ttft_target_ms, "--tpot-target-ms": tpot_target_ms, "--url": url,
+        "sweep": {**chat_flags, "--stagger-ms": stagger_ms, "--request-rate": request_rate,
+                  "--request-rates": request_rates, "--ttft-target-ms": ttft_target_ms, "--tpot-target-ms": tpot_target_ms, "--url": url,
                   "--model": model, "--prompt-tokens": prompt_tokens, "--reference": reference, **runner_flags},
         "requests": {"--tokens": tokens, "--prefill-chunk": prefill_chunk, "--context": context,
                      "--reference": reference},
-        "quality": {"--tokens": tokens, "--prefill-chunk": prefill_chunk, "--context": context,
+        "quality": {**chat_flags, "--tokens": tokens, "--prefill-chunk": prefill_chunk, "--context": context,
                     "--stagger-ms": stagger_ms, "--request-rate": request_rate, "--request-rates": request_rates,
                     "--ttft-target-ms": ttft_target_ms, "--tpot-target-ms": tpot_target_ms, "--url": url,
                     "--model": model, "--plot": plot, **runner_flags},
@@ -147,6 +165,8 @@ def _run(
     given = [name for name, value in wrong_mode.items() if value is not None]
     if given:
         raise Pt2ServeError(f"{', '.join(given)} do not apply to --mode {mode}")
+    if workload != "chat" and (turns is not None or system_tokens is not None):
+        raise Pt2ServeError("--turns and --system-tokens apply to --workload chat only")
     if mode == "quality" and (artifact is None or reference is None):
         raise Pt2ServeError("--mode quality compares two artifacts: give PATH.pt2 and --reference REF.pt2")
     if url is not None:
@@ -213,10 +233,14 @@ def _run(
         options = RequestsOptions(
             requests=requests,
             prompt_tokens=prompt_tokens if prompt_tokens is not None else RequestsOptions.prompt_tokens,
+            workload=workload or RequestsOptions.workload,
+            turns=turns if turns is not None else RequestsOptions.turns,
+            system_tokens=system_tokens if system_tokens is not None else RequestsOptions.system_tokens,
             max_new_tokens=max_new_tokens, stagger_ms=stagger_ms or 0.0, request_rate=request_rate, seed=seed,
             url=url, model=model, timeout=timeout, targets=targets,
         )
-        target = dict(device=device, executor_config=executor_config, runner_config=RunnerConfig(**budget))
+        target = dict(device=device, executor_config=executor_config,
+                      runner_config=RunnerConfig(**budget, **prefix_reuse(prefix_cache)))
         with StatusLine() as status:
             if rates is None:
                 from pt2serve.bench.requests_mode import run_requests

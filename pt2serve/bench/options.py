@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pt2serve.errors import Pt2ServeError
 
 MODES = ("sweep", "requests", "quality")
+WORKLOADS = ("random", "chat")
 MAX_DEFAULT_TOKENS = 4096
 DEFAULT_BACKLOG_PROMPT = 256
 # Goodput's default latency targets: MLPerf Inference's server scenario for Llama 3.1 8B (loadgen/mlperf.conf):
@@ -67,10 +68,14 @@ class LatencyTargets:
 
 @dataclass(frozen=True)
 class RequestsOptions:
-    """--mode requests: N requests arriving on a fixed stagger or as a Poisson process."""
+    """--mode requests: N requests arriving on a fixed stagger or as a Poisson process; with the chat workload,
+    N conversations arriving so, each turn sent when the last one ends."""
 
-    requests: int = 32
-    prompt_tokens: int = 128
+    requests: int = 32  # chat: conversations
+    prompt_tokens: int = 128  # chat: tokens of each user message
+    workload: str = "random"  # random token ids, or multi-turn chat sharing one system prompt (conversations.py)
+    turns: int = 6  # chat: turns per conversation
+    system_tokens: int = 1024  # chat: tokens of the system prompt every conversation starts with
     max_new_tokens: int = 64
     stagger_ms: float = 0.0  # fixed gap between arrivals
     request_rate: float | None = None  # requests/s, Poisson arrivals (exponential gaps drawn with `seed`)
@@ -86,6 +91,12 @@ class RequestsOptions:
             raise Pt2ServeError(f"--requests must be at least 1, got {self.requests}")
         if self.prompt_tokens < 1:
             raise Pt2ServeError(f"--prompt-tokens must be at least 1, got {self.prompt_tokens}")
+        if self.workload not in WORKLOADS:
+            raise Pt2ServeError(f"unknown --workload {self.workload!r}: choose {' or '.join(WORKLOADS)}")
+        if self.turns < 1:
+            raise Pt2ServeError(f"--turns must be at least 1, got {self.turns}")
+        if self.system_tokens < 0:
+            raise Pt2ServeError(f"--system-tokens must not be negative, got {self.system_tokens}")
         if self.max_new_tokens < 1:
             raise Pt2ServeError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.stagger_ms < 0 or not math.isfinite(self.stagger_ms):

@@ -60,11 +60,16 @@ def requests_table(result: RequestsResult, title: str | None = None) -> Table:
     s = result.summary
     caption = (f"{s['completed']}/{s['requests']} completed, {s['output_tokens']} output tokens in "
                f"{_num(s['duration_seconds'])} s: {_num(s['output_tokens_per_second'])} output tok/s, "
-               f"{_num(s['requests_per_second'])} req/s ({result.target}); {_goodput(s)}{_steps(result)}")
+               f"{_num(s['requests_per_second'])} req/s ({result.target}); {_prompt_tokens(s)}; "
+               f"{_goodput(s)}{_steps(result)}")
     table = Table(title=title or "pt2serve bench: requests", caption=caption)
     for name in ("metric", "p50 ms", "p90 ms", "p99 ms", "mean ms", "max ms", "n"):
         table.add_column(name, justify="left" if name == "metric" else "right")
-    for label, key in (("TTFT", "ttft_seconds"), ("TPOT", "tpot_seconds"), ("E2E", "e2e_seconds")):
+    rows = [("TTFT", "ttft_seconds"), ("TPOT", "tpot_seconds"), ("E2E", "e2e_seconds")]
+    if "ttft_first_turns_seconds" in s:  # the chat workload
+        rows[1:1] = [("TTFT, first turns", "ttft_first_turns_seconds"),
+                     ("TTFT, later turns", "ttft_later_turns_seconds")]
+    for label, key in rows:
         d = s[key]
         table.add_row(label, _ms(d["p50"]), _ms(d["p90"]), _ms(d["p99"]), _ms(d["mean"]), _ms(d["max"]),
                       str(d["count"]))
@@ -97,6 +102,14 @@ def rates_table(result: RateSweepResult, title: str | None = None) -> Table:
 
 def _percentiles(d: dict[str, Any]) -> str:
     return " / ".join(_ms(d[p]) for p in ("p50", "p90", "p99"))
+
+
+def _prompt_tokens(s: dict[str, Any]) -> str:
+    if s["prompt_tokens_reused"] is None:
+        return f"{s['prompt_tokens']:,} prompt tokens"
+    share = s["prompt_tokens_reused"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
+    return (f"{s['prompt_tokens']:,} prompt tokens: {s['prompt_tokens_computed']:,} computed, "
+            f"{s['prompt_tokens_reused']:,} reused ({share:.0%})")
 
 
 def _goodput(s: dict[str, Any]) -> str:

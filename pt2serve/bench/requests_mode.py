@@ -10,7 +10,10 @@ Metrics (every time is taken on the client side, with perf_counter):
   output tok/s = all output tokens / (last end - first submit)
   goodput = requests that met both latency targets (TTFT <= its target, and TPOT <= its target where a
             request has a TPOT) / (last end - first submit)
+  prompt tokens reused = those whose KV cells came from the prefix cache (usage.prompt_tokens_details.
+            cached_tokens); computed = the rest
 Each latency is reported as p50 / p90 / p99 (linear interpolation) with mean, min and max in the JSON.
+The chat workload (conversations.py) also reports TTFT of first turns and of later turns apart.
 
 In-process, requests go straight to a Runner (ignore_eos, so each produces max_new_tokens tokens) and
 their tokens are timed in the runner's event callback; the runner's step history gives the steps taken
@@ -47,8 +50,11 @@ class RequestTiming:
     first_token: float | None = None
     end: float | None = None
     output_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens reused from the prefix cache (None: not reported)
     finish_reason: str | None = None
     error: str | None = None
+    conversation: int | None = None  # chat workload: which conversation, and its turn (from 0)
+    turn: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -109,12 +115,21 @@ def summarise(requests: list[RequestTiming], targets: LatencyTargets = LatencyTa
     tokens = sum(r.output_tokens for r in done)
     duration = (max(ends) - min(submits)) if ends and submits else None
     good = sum(r.meets(targets) for r in done)
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    reported = [r.cached_tokens for r in done if r.cached_tokens is not None]
+    cached = sum(reported) if reported else None
+    turns = {}
+    if any(r.turn is not None for r in requests):
+        turns = {"ttft_first_turns_seconds": summary(r.ttft for r in done if r.turn == 0),
+                 "ttft_later_turns_seconds": summary(r.ttft for r in done if r.turn)}
     return {
         "requests": len(requests),
         "completed": len(done),
         "failed": len(requests) - len(done),
         "output_tokens": tokens,
-        "prompt_tokens": sum(r.prompt_tokens for r in done),
+        "prompt_tokens": prompt_tokens,
+        "prompt_tokens_reused": cached,
+        "prompt_tokens_computed": None if cached is None else prompt_tokens - cached,
         "duration_seconds": duration,
         "output_tokens_per_second": tokens / duration if duration else None,
         "requests_per_second": len(done) / duration if duration else None,
@@ -128,6 +143,7 @@ def summarise(requests: list[RequestTiming], targets: LatencyTargets = LatencyTa
         "ttft_seconds": summary(r.ttft for r in done),
         "tpot_seconds": summary(r.tpot for r in done),
         "e2e_seconds": summary(r.e2e for r in done),
+        **turns,
     }
 
 
@@ -158,6 +174,7 @@ def open_target(
 ) -> Iterator[Drive]:
     """A function that runs one workload: on a Runner loaded once (closed on exit), or against options.url."""
     from pt2serve.runtime.artifact import read_metadata
+    from pt2serve.runtime.engine import read_tokenizer
 
     options.check()
     meta = read_metadata(path).raw if path is not None else None
@@ -167,7 +184,8 @@ def open_target(
         from pt2serve.bench.http_client import drive_server
 
         vocab_size = meta["vocab_size"] if meta else None
-        yield lambda run_options, run_progress: drive_server(run_options, vocab_size, run_progress)
+        tokenizer = read_tokenizer(path) if path is not None else None  # sizes chat text in tokens
+        yield lambda run_options, run_progress: drive_server(run_options, vocab_size, tokenizer, run_progress)
         return
     if path is None:
         raise Pt2ServeError("give an artifact to run in-process, or --url to drive a running server")
@@ -185,6 +203,15 @@ def open_target(
 
 
 def _check_lengths(options: RequestsOptions, max_context: int) -> None:
+    if options.workload == "chat":
+        total = options.system_tokens + options.turns * (options.prompt_tokens + options.max_new_tokens)
+        if total > max_context:
+            raise Pt2ServeError(
+                f"--system-tokens {options.system_tokens} + --turns {options.turns} x (--prompt-tokens "
+                f"{options.prompt_tokens} + --max-new-tokens {options.max_new_tokens}) = {total} exceeds the "
+                f"artifact's max context ({max_context}), before the chat template adds its own"
+            )
+        return
     total = options.prompt_tokens + options.max_new_tokens
     if total > max_context:
         raise Pt2ServeError(
@@ -197,45 +224,16 @@ def drive_runner(runner, options: RequestsOptions, progress: Progress | None = N
     """Run the requests on an open Runner (left open)."""
     options.check()
     _check_lengths(options, runner.max_context)
-    prompts = make_prompts(options, runner.vocab_size)
     if options.warmup_request:
-        runner.generate(prompts[0][:8], max_new_tokens=2, ignore_eos=True)
+        runner.generate([runner.vocab_size - 1] * 8, max_new_tokens=2, ignore_eos=True)
+    runner.clear_prefix_cache()  # each run starts cold: what it reuses, it computed itself
     steps_before = runner.scheduler.step  # steps numbered after this one are the workload's
-    timings = [RequestTiming(i, t, options.prompt_tokens) for i, t in enumerate(arrival_times(options))]
-    finished = [threading.Event() for _ in timings]
-    origin = time.perf_counter()
+    if options.workload == "chat":
+        from pt2serve.bench.conversations import drive_runner_conversations
 
-    def tracker(timing: RequestTiming, done: threading.Event):
-        def on_event(event) -> None:  # the engine thread
-            now = time.perf_counter() - origin
-            if event.token_id is not None:
-                timing.output_tokens += 1
-                if timing.first_token is None:
-                    timing.first_token = now
-            if event.finish_reason is not None:
-                timing.end = now
-                timing.finish_reason = event.finish_reason.value
-                timing.error = event.error
-                done.set()
-        return on_event
-
-    deadline = origin + options.timeout
-    for timing, prompt, done in zip(timings, prompts, finished):
-        while (wait := origin + timing.arrival - time.perf_counter()) > 0:
-            time.sleep(min(wait, 0.1))
-            _report(progress, timings, finished)
-        timing.submit = time.perf_counter() - origin
-        try:
-            runner.submit(prompt, max_new_tokens=options.max_new_tokens, ignore_eos=True,
-                          on_event=tracker(timing, done))
-        except Pt2ServeError as err:
-            timing.error = str(err)
-            done.set()
-    while not all(done.wait(0) for done in finished):
-        if time.perf_counter() > deadline:
-            raise Pt2ServeError(f"the requests did not finish within --timeout {options.timeout:.0f} s")
-        _report(progress, timings, finished)
-        time.sleep(0.1)
+        timings = drive_runner_conversations(runner, options, progress)
+    else:
+        timings = _drive_runner_random(runner, options, progress)
     widths = [record.num_tokens for record in list(runner.step_history) if record.step > steps_before]
     budget = runner.scheduler.config
     result = RequestsResult(
@@ -247,6 +245,51 @@ def drive_runner(runner, options: RequestsOptions, progress: Progress | None = N
     )
     result.summary = summarise(timings, options.targets)
     return result
+
+
+def event_timer(timing: RequestTiming, origin: float, on_end: Callable[[], None]) -> Callable:
+    """A runner event callback (called on the engine thread) that times `timing`'s tokens and calls
+    `on_end` once the request has ended."""
+    def on_event(event) -> None:
+        now = time.perf_counter() - origin
+        if event.token_id is not None:
+            timing.output_tokens += 1
+            if timing.first_token is None:
+                timing.first_token = now
+        if event.finish_reason is not None:
+            timing.end = now
+            timing.finish_reason = event.finish_reason.value
+            timing.error = event.error
+            on_end()
+    return on_event
+
+
+def _drive_runner_random(runner, options: RequestsOptions, progress: Progress | None) -> list[RequestTiming]:
+    prompts = make_prompts(options, runner.vocab_size)
+    timings = [RequestTiming(i, t, options.prompt_tokens) for i, t in enumerate(arrival_times(options))]
+    finished = [threading.Event() for _ in timings]
+    origin = time.perf_counter()
+    deadline = origin + options.timeout
+    handles = {}
+    for timing, prompt, done in zip(timings, prompts, finished):
+        while (wait := origin + timing.arrival - time.perf_counter()) > 0:
+            time.sleep(min(wait, 0.1))
+            _report(progress, timings, finished)
+        timing.submit = time.perf_counter() - origin
+        try:
+            handles[timing.index] = runner.submit(prompt, max_new_tokens=options.max_new_tokens, ignore_eos=True,
+                                                  on_event=event_timer(timing, origin, done.set))
+        except Pt2ServeError as err:
+            timing.error = str(err)
+            done.set()
+    while not all(done.wait(0) for done in finished):
+        if time.perf_counter() > deadline:
+            raise Pt2ServeError(f"the requests did not finish within --timeout {options.timeout:.0f} s")
+        _report(progress, timings, finished)
+        time.sleep(0.1)
+    for index, handle in handles.items():
+        timings[index].cached_tokens = handle.stats.reused_tokens
+    return timings
 
 
 def _report(progress: Progress | None, timings: list[RequestTiming], finished: list[threading.Event]) -> None:

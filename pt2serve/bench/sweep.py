@@ -288,8 +288,9 @@ def _run_row(
     # Decode rows prefill their prompts (long ones with --context) in wide steps; once only the decodes are
     # left, every step is exactly T wide. Mixed rows keep the budget at T so the backlog fills each step to T.
     budget = plan.tokens if plan.kind == "mixed" else max(plan.tokens, min(PREFILL_BUDGET, executor.max_step_tokens))
+    # No prefix cache: the row's prompts must be computed in full for its steps to be T wide.
     config = RunnerConfig(token_budget=budget, max_decode_sequences=plan.num_decode, min_prefill_chunk=1,
-                          prefix_cache_entries=0)
+                          prefix_cache=False)
     runner = Runner(timed, tokenizer, config)
     needed = options.warmup + options.iters + 1  # +1: the step after the last measured one ends its interval
     watch = _SteadyWatch(runner, plan.num_decode, needed)

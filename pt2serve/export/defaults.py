@@ -2,7 +2,10 @@
 
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_MAX_STEP_TOKENS = 4096
-DEFAULT_MAX_CELLS = 65536
+# An upper bound only: the runtime sizes the pool by memory. Cells are int64 ids and the pool's element
+# offsets (cell x kv heads x head dim) are int64 too; 2^40 cells keeps those offsets in range for any model
+# with fewer than 2^23 K/V values per cell, so no pool a machine can hold is capped at export.
+DEFAULT_MAX_CELLS = 2**40
 # Context cells a static (graph-captured) step may list in total; steps that see more run on forward_others.
 # With the attention kernel this sizes an index buffer (8 bytes a cell), not compute; the masked attention
 # path gathers every entry, so there it bounds each static step's cost too.

@@ -104,6 +104,12 @@ def read_metadata(path: str | Path) -> Metadata:
         return Metadata(_read_metadata(archive, path))
 
 
+def read_tokenizer_json(path: str | Path) -> str | None:
+    """The checkpoint's tokenizer.json the artifact carries (None without one); nothing else is loaded."""
+    with _open_zip(path) as archive:
+        return _tokenizer_json(archive)
+
+
 @dataclass
 class LoadReport:
     load_seconds: float = 0.0
@@ -138,8 +144,7 @@ def load_artifact(
         target = torch.device(device or ("cuda" if metadata.backend == "cuda" else "cpu"))
         check_machine(metadata, target)
         records = _check_records(archive, metadata, path)
-        tokenizer_name = _find_record(archive, "extra/" + TOKENIZER_RECORD)
-        tokenizer_json = archive.read(tokenizer_name).decode() if tokenizer_name else None
+        tokenizer_json = _tokenizer_json(archive)
     weights = _load_weights(path, metadata, records, target, verify_hash, show_progress)
     runners = {}
     device_index = target.index if target.index is not None else (0 if target.type == "cuda" else -1)
@@ -210,6 +215,11 @@ def _find_record(archive: zipfile.ZipFile, suffix: str) -> str | None:
         if name.split("/", 1)[-1] == suffix:
             return name
     return None
+
+
+def _tokenizer_json(archive: zipfile.ZipFile) -> str | None:
+    name = _find_record(archive, "extra/" + TOKENIZER_RECORD)
+    return archive.read(name).decode() if name else None
 
 
 def _read_metadata(archive: zipfile.ZipFile, path: Path) -> dict[str, Any]:

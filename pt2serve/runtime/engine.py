@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pt2serve.runtime.artifact import load_artifact
+from pt2serve.runtime.artifact import load_artifact, read_metadata, read_tokenizer_json
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.runner import Runner, RunnerConfig
 from pt2serve.tokenizer import Tokenizer, TokenizerFiles
@@ -14,6 +14,11 @@ def artifact_tokenizer(tokenizer_json: str | None, tokenizer_meta: dict | None) 
     if tokenizer_json is None or tokenizer_meta is None:
         return None
     return Tokenizer(TokenizerFiles.from_dict(tokenizer_json, tokenizer_meta))
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The artifact's tokenizer, without loading its methods or weights."""
+    return artifact_tokenizer(read_tokenizer_json(path), read_metadata(path).raw.get("tokenizer"))
 
 
 def open_runner(
@@ -44,7 +49,11 @@ def describe_load(runner: Runner) -> str:
     budget = runner.scheduler.config
     return (
         f"loaded in {executor.artifact.report.load_seconds:.1f} s on {executor.device}: weights "
-        f"{memory.weight_bytes / 1e6:.1f} MB, KV pool {memory.pool_bytes / 1e6:.1f} MB ({memory.num_cells} cells), "
-        f"{graphs}; steps of up to {budget.token_budget} tokens with up to {budget.max_decode_sequences} decodes, "
-        f"prefill chunks of {budget.min_prefill_chunk} tokens or more"
+        f"{_size(memory.weight_bytes)}, KV pool {_size(memory.pool_bytes)} for {memory.num_cells - 1:,} tokens "
+        f"({memory.pool_sized_by}), {graphs}; steps of up to {budget.token_budget} tokens with up to "
+        f"{budget.max_decode_sequences} decodes, prefill chunks of {budget.min_prefill_chunk} tokens or more"
     )
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.1f} MB"

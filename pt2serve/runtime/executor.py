@@ -22,15 +22,31 @@ import torch
 from pt2serve.contract import SAMPLE, SAMPLE_ARGMAX
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import Artifact
-from pt2serve.runtime.cells import CellAllocator, allocate_kv_pools, cells_that_fit, check_pool_fits
+from pt2serve.runtime.cells import (
+    CellAllocator,
+    allocate_kv_pools,
+    available_memory_bytes,
+    cells_that_fit,
+    check_pool_fits,
+)
 from pt2serve.runtime.graphs import capture_all
 from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, regions, slice_step
 
 
+# On the CPU the pool shares host memory with everything else, and a CPU serves few tokens at a time: by
+# default it holds no more than this many tokens (or one max-context sequence, if longer).
+CPU_POOL_TOKENS = 65536
+
+
 @dataclass(frozen=True)
 class ExecutorConfig:
-    num_cells: int | None = None  # None: the artifact's max_cells, capped by kv_memory_fraction on a GPU
-    kv_memory_fraction: float = 0.6  # of the device memory free after weights, for the KV pool
+    # None: as many cells as kv_memory_fraction of the free memory holds (on the CPU, at most CPU_POOL_TOKENS),
+    # within the artifact's max_cells.
+    num_cells: int | None = None
+    # Of the device memory free once the weights are loaded (on the CPU, of the host memory available); the
+    # rest is left for CUDA graphs and step activations, which cannot be measured first: the graphs capture
+    # the pool's address, so the pool is allocated before them.
+    kv_memory_fraction: float = 0.6
     use_cuda_graphs: bool = True
     # None: the static methods serve steps only where CUDA graphs capture them (their purpose); without a
     # graph their fixed entry capacity makes them slower than forward_others over the real entries (CPU,
@@ -92,7 +108,8 @@ class MemoryReport:
     weight_bytes: int
     pool_bytes: int
     graph_bytes: int
-    num_cells: int
+    num_cells: int  # with the scratch cell: the pool holds num_cells - 1 tokens
+    pool_sized_by: str  # what set the pool's size, in words
     capture_seconds: float
 
 
@@ -105,7 +122,7 @@ class Executor:
         use_static = self.uses_cuda_graphs if config.use_static_methods is None else config.use_static_methods
         self.forward_sizes = meta.forward_sizes if use_static else ()  # () sends every step to forward_others
         self.max_step_tokens = meta.max_step_tokens
-        num_cells = self._pool_size(config)
+        num_cells, sized_by = self._pool_size(config)
         cache = meta.cache
         with _out_of_memory_explained(f"allocating a KV pool of {num_cells} cells"):
             self._pool_storage, k_pools, v_pools = allocate_kv_pools(
@@ -127,31 +144,40 @@ class Executor:
         self.memory = MemoryReport(
             weight_bytes=artifact.report.weight_bytes,
             pool_bytes=self._pool_storage.numel() * self._pool_storage.element_size(),
-            graph_bytes=max(0, free_before - _free_device_bytes(self.device)),
+            graph_bytes=max(0, free_before - _free_device_bytes(self.device)) if self.uses_cuda_graphs else 0,
             num_cells=num_cells,
+            pool_sized_by=sized_by,
             capture_seconds=capture_seconds,
         )
 
-    def _pool_size(self, config: ExecutorConfig) -> int:
+    def _pool_size(self, config: ExecutorConfig) -> tuple[int, str]:
+        """The pool's cells (with the scratch cell) and what decided it."""
         meta = self.artifact.metadata
         limit = meta.max_cells + 1  # + the scratch cell
         if config.num_cells is not None:
             if config.num_cells > limit:
                 raise Pt2ServeError(f"num_cells {config.num_cells} exceeds the artifact's max_cells + 1 ({limit})")
             check_pool_fits(config.num_cells, meta.cache, meta.kv_dtype, self.device)
-            return config.num_cells
-        if self.device.type != "cuda":
-            check_pool_fits(limit, meta.cache, meta.kv_dtype, self.device)
-            return limit
+            return config.num_cells, "as asked"
         cache = meta.cache
-        fits = cells_that_fit(_free_device_bytes(self.device), config.kv_memory_fraction, cache["num_layers"],
-                              cache["num_kv_heads"], cache["head_dim"], meta.kv_dtype)
+        memory = "device memory free after the weights" if self.device.type == "cuda" else "host memory available"
+        available = available_memory_bytes(self.device)
+        if available is None:  # a host that cannot tell: the CPU default
+            return min(limit, max(CPU_POOL_TOKENS, meta.max_context) + 1), "the CPU default"
+        fits = cells_that_fit(available, config.kv_memory_fraction, cache["num_layers"], cache["num_kv_heads"],
+                              cache["head_dim"], meta.kv_dtype)
         if fits < meta.max_context + 1:
             raise Pt2ServeError(
-                f"only {fits} KV cells fit in {config.kv_memory_fraction:.0%} of free GPU memory, fewer than one "
-                f"max-context sequence needs ({meta.max_context + 1}); free memory or raise kv_memory_fraction"
+                f"only {fits} KV cells fit in {config.kv_memory_fraction:.0%} of the {memory}, fewer than one "
+                f"max-context sequence needs ({meta.max_context + 1}); free memory, raise --kv-memory-fraction or "
+                "set --num-cells"
             )
-        return min(limit, fits)
+        sized_by = f"{config.kv_memory_fraction:.0%} of the {memory}"
+        if self.device.type != "cuda" and fits > max(CPU_POOL_TOKENS, meta.max_context) + 1:
+            fits, sized_by = max(CPU_POOL_TOKENS, meta.max_context) + 1, "the CPU default"
+        if fits > limit:
+            return limit, "the artifact's max_cells"
+        return fits, sized_by
 
     def method_calls(self, chunks: list[Chunk]) -> list[tuple[list[tuple[int, Chunk]], MethodCall]]:
         """How a step runs: each in-order piece of it and the packed call of the method that runs it."""

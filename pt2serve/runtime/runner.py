@@ -41,8 +41,11 @@ class RunnerConfig:
     token_budget: int | None = None
     max_decode_sequences: int | None = None  # decodes per step; None: the token budget (every running decode)
     min_prefill_chunk: int | None = None  # None: the artifact's
-    prefix_cache_entries: int = 0
-    max_sessions: int = 64
+    # Every request starts from the longest cached prefix of its tokens; it costs a tree walk per prompt
+    # and per prefill chunk, and nothing in the pool: cached cells are freed on demand.
+    prefix_cache: bool = True
+    max_sessions: int = 64  # sessions whose cached path is pinned against eviction
+    session_pin_seconds: float = 600.0  # how long a pin lasts after the session's last request
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ class RunnerStats:
     num_running: int = 0
     cells_used: int = 0
     cells_free: int = 0
-    prefix_cache_hit_rate: float = 0.0
+    prefix_cache_cells: int = 0  # of cells_used: held only for reuse, freed on demand
+    prefix_cache_hit_rate: float = 0.0  # share of the tokens looked up whose cells were reused
     num_steps: int = 0
     num_preemptions: int = 0
     cells_leaked: int = 0  # counted while idle: cells in use that nothing holds (always 0 unless a bug)
@@ -161,8 +165,9 @@ class Runner:
                 max_decode_sequences=config.max_decode_sequences or budget,
                 min_prefill_chunk=config.min_prefill_chunk or meta.min_prefill_chunk,
                 max_context=meta.max_context,
-                prefix_cache_entries=config.prefix_cache_entries,
+                prefix_cache=config.prefix_cache,
                 max_sessions=config.max_sessions,
+                session_pin_seconds=config.session_pin_seconds,
             ),
             executor.allocator,
         )
@@ -227,6 +232,16 @@ class Runner:
         self._inbox.put(("cancel", handle.id))
         self._wakeup.set()
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (cells that running requests use stay theirs); returns once done."""
+        done = threading.Event()
+        with self._active_lock:
+            if self._stopping:
+                raise Pt2ServeError("the runner is shut down")
+            self._inbox.put(("clear_prefix_cache", done))
+        self._wakeup.set()
+        done.wait()
+
     def close(self) -> None:
         with self._active_lock:
             self._stopping = True
@@ -283,6 +298,9 @@ class Runner:
             if command[0] == "submit":
                 _, handle, spec = command
                 self._start(handle, spec)
+            elif command[0] == "clear_prefix_cache":
+                self.scheduler.prefix_cache.clear()
+                command[1].set()
             else:
                 self._finish(command[1], FinishReason.CANCELLED)
 
@@ -391,6 +409,7 @@ class Runner:
             num_running=self.scheduler.num_running,
             cells_used=allocator.num_used,
             cells_free=allocator.num_free,
+            prefix_cache_cells=self.scheduler.prefix_cache.num_cells,
             prefix_cache_hit_rate=self.scheduler.prefix_cache.hit_rate,
             num_steps=self.scheduler.step,
             num_preemptions=self.scheduler.num_preemptions,
@@ -400,4 +419,5 @@ class Runner:
     def _shutdown(self) -> None:
         for request_id in list(self._live):
             self._finish(request_id, FinishReason.CANCELLED)
+        self.scheduler.prefix_cache.clear()  # the pool is left empty for whoever uses the executor next
         self._update_stats()

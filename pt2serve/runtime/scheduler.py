@@ -5,8 +5,10 @@ One rule drives it: each request's computed tokens catch up with its known token
      `max_decode_sequences` (rotating, so all get turns), leaving room for prefill when prompts wait;
   2. prefill: the rest of the token budget goes to pending prompts, least recently served first, each
      taking a chunk, so no prompt starves.
-Cells are allocated as tokens are scheduled; when the pool runs dry the prefix cache and idle sessions
-give theirs back first, then the most recently admitted request is preempted (recomputed later).
+Cells are allocated as tokens are scheduled. Every request starts from the longest cached prefix of its
+tokens (prefix_cache.py); the cells of known tokens go into the cache as prompts are computed and when a
+request ends or is preempted. When the pool runs dry the cache frees exactly the cells missing, least
+recently used first, and only then is the most recently admitted request preempted (recomputed later).
 
 `plan()` returns a StepPlan of plain data; `commit(plan, tokens)` applies the executor's output. A plan
 may be made while the previous one still runs (one step in flight): scheduling advances num_computed at
@@ -24,7 +26,6 @@ import numpy as np
 from pt2serve.runtime.cells import CellAllocator, CellTable
 from pt2serve.runtime.prefix_cache import PrefixCache
 from pt2serve.runtime.request import FinishReason, Request, RequestStatus
-from pt2serve.runtime.sessions import Session, SessionStore
 from pt2serve.runtime.step import Chunk
 
 PLACEHOLDER_TOKEN = 0  # the host's stand-in for a token still on the device (any valid id)
@@ -36,8 +37,9 @@ class SchedulerConfig:
     max_decode_sequences: int  # decodes per step
     min_prefill_chunk: int = 32  # a prompt is not cut into pieces shorter than this (but its remainder)
     max_context: int = 2048
-    prefix_cache_entries: int = 0  # 0: off
-    max_sessions: int = 64
+    prefix_cache: bool = True  # reuse the longest cached prefix of every request's tokens
+    max_sessions: int = 64  # sessions whose cached path is pinned against eviction
+    session_pin_seconds: float = 600.0  # how long a session's path stays pinned after its last request
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_decode_sequences < 1:
@@ -76,8 +78,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: CellAllocator) -> None:
         self.config = config
         self.allocator = allocator
-        self.prefix_cache = PrefixCache(allocator, config.prefix_cache_entries)
-        self.sessions = SessionStore(allocator, config.max_sessions)
+        self.prefix_cache = PrefixCache(allocator, config.prefix_cache, config.max_sessions,
+                                        config.session_pin_seconds)
         self.requests: dict[int, Request] = {}
         self._waiting: deque[int] = deque()  # FIFO of requests holding no cells
         self._running: list[int] = []  # admission order (last = first preempted)
@@ -137,8 +139,10 @@ class Scheduler:
         self._decode_turn %= len(decoding)
         order = decoding[self._decode_turn:] + decoding[:self._decode_turn]
         self._decode_turn += cap
+        # One eviction for all the decodes: the cells they need that the pool lacks, not one call per decode.
+        self.prefix_cache.evict(min(cap, len(order)) - self.allocator.num_free)
         for request_id in order[:cap]:
-            if request_id not in self.requests or request_id in scheduled:
+            if request_id in scheduled or self.requests[request_id].status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an earlier one this step
             if self._allocate(self.requests[request_id], 1, scheduled):
                 scheduled[request_id] = self._chunk(self.requests[request_id], 1)
@@ -184,36 +188,17 @@ class Scheduler:
         return ScheduledChunk(request.id, start, count, samples, uniform, previous)
 
     def _admit(self, request: Request) -> None:
-        """WAITING -> RUNNING, reusing a session's or the prefix cache's cells where the prompt allows."""
+        """WAITING -> RUNNING, starting from the longest cached prefix of its tokens."""
         self._waiting.remove(request.id)
         self._running.append(request.id)
         request.status = RequestStatus.RUNNING
         if request.num_computed:
             return
         # At least the newest token must be computed: its logits give the next token.
-        limit = len(request.tokens) - 1
-        reused = self._reuse_session(request, limit)
-        if reused == 0 and self.prefix_cache.max_entries:
-            match = self.prefix_cache.lookup(request.tokens, limit)
-            if match is not None:
-                request.cells = CellTable(match.cells)
-                reused = match.num_tokens
-        request.num_computed = reused
-        request.stats.reused_tokens = min(reused, request.num_prompt)
-
-    def _reuse_session(self, request: Request, limit: int) -> int:
-        key = request.spec.session_id
-        session = self.sessions.take(key) if key is not None else None
-        if session is None:
-            return 0
-        history = session.tokens
-        if len(history) > len(request.tokens) or request.tokens[: len(history)] != history:
-            self.allocator.free(session.cells)  # the new request does not extend it: reset
-            return 0
-        keep = min(len(history), limit)
-        self.allocator.free(session.cells[keep:])
-        request.cells = CellTable(session.cells[:keep])
-        return keep
+        cells = self.prefix_cache.match(request.id, request.tokens, len(request.tokens) - 1)
+        request.cells = CellTable(cells)
+        request.num_computed = len(cells)
+        request.stats.reused_tokens = min(len(cells), request.num_prompt)
 
     def _unadmit(self, request: Request) -> None:
         self._running.remove(request.id)
@@ -223,7 +208,7 @@ class Scheduler:
     def _allocate(self, request: Request, count: int, scheduled: dict[int, ScheduledChunk]) -> bool:
         """Give `request` `count` new cells, freeing others' cells if needed; False if impossible."""
         while not self.allocator.can_allocate(count):
-            if self.prefix_cache.evict_oldest() or self.sessions.evict_oldest():
+            if self.prefix_cache.evict(count - self.allocator.num_free):
                 continue
             victim = next((r for r in reversed(self._running) if r != request.id and r not in scheduled), None)
             if victim is None:
@@ -233,8 +218,9 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        """Free a running request's cells; it is recomputed (prompt and generated tokens) later."""
-        self.allocator.free(request.cells.truncate(0))
+        """Free a running request's cells; it is recomputed (prompt and generated tokens) later, from what the
+        cache still holds of them then."""
+        self._let_go(request, cache=True)
         request.num_computed = 0
         self.num_preemptions += 1
         request.stats.preemptions += 1
@@ -261,6 +247,10 @@ class Scheduler:
         events = []
         for chunk, token in zip(plan.chunks, tokens):
             request = self.requests.get(chunk.request_id)
+            if request is not None and chunk.start < request.num_prompt:
+                # Its prompt's cells so far are written: later prompts that share them start from them.
+                computed = min(request.cells.length, request.num_prompt)
+                self.prefix_cache.insert(request.id, request.tokens[:computed], request.cells.cells[:computed])
             if request is None or token is None:
                 continue  # finished since (its later work, if any, is simply dropped) or nothing sampled
             assert request.num_unresolved > 0, "a sample came back that was not scheduled"
@@ -295,7 +285,8 @@ class Scheduler:
         return failed
 
     def finish(self, request_id: int, reason: FinishReason) -> Request | None:
-        """End a request (any status); its cells go to its session, the prefix cache, or the free list."""
+        """End a request (any status); the cells of its known tokens go to the prefix cache (but those of a
+        failed step), pinned under its session if it names one."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -305,26 +296,27 @@ class Scheduler:
             self._running.remove(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        cells = request.cells.truncate(0)
-        is_clean = reason in (FinishReason.STOP, FinishReason.LENGTH)
-        if not is_clean or not len(cells):
-            self.allocator.free(cells)
-            return request
-        # A clean finish comes from a commit, which knows every token that has a cell. The newest cell's K/V
-        # may still be written by the step in flight: stream order puts that write before any later reader.
-        assert len(cells) <= len(request.tokens)
-        computed = request.tokens[: len(cells)]
-        self.prefix_cache.insert(computed[: request.num_prompt], cells)
-        if request.spec.session_id is not None:
-            self.sessions.put(request.spec.session_id, Session(computed, cells))
-        else:
-            self.allocator.free(cells)
+        self._let_go(request, cache=reason is not FinishReason.ERROR)
         return request
 
+    def _let_go(self, request: Request, cache: bool) -> None:
+        """Free the request's cells, first caching those of its known tokens (not the cells of samples still
+        in flight, whose tokens are unknown). Every cell was written by a step already launched (a failed
+        launch fails its requests first); the newest may still be written by the step in flight, and stream
+        order puts that write before any later reader."""
+        cells = request.cells.truncate(0)
+        if cache:
+            known = min(len(cells), len(request.tokens))
+            self.prefix_cache.insert(request.id, request.tokens[:known], cells[:known])
+            if request.spec.session_id is not None:
+                self.prefix_cache.pin(request.spec.session_id, request.id)
+        self.prefix_cache.release(request.id)
+        self.allocator.free(cells)
+
     def num_leaked_cells(self) -> int:
-        """Cells in use that no request, session or prefix-cache entry holds: 0 unless a cell leaked.
+        """Cells in use that no request or prefix-cache node holds: 0 unless a cell leaked.
         O(cells held), so callers count it when idle."""
         held = [r.cells.cells for r in self.requests.values()]
-        held += self.sessions.held_cells() + self.prefix_cache.held_cells()
+        held += self.prefix_cache.held_cells()
         owned = len(np.unique(np.concatenate(held))) if held else 0
         return self.allocator.num_used - owned

@@ -110,13 +110,13 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         state.metrics.request_rejected(err.status)
         return err.response()
 
+    # Starlette's own answers (no such route, a method the route does not take) count as rejections too.
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
-        api = ApiError(err.status_code, str(err.detail), headers=dict(err.headers or {}))
-        return api.response()
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return await api_error(request, ApiError(err.status_code, str(err.detail), headers=dict(err.headers or {})))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
-        return ApiError(400, "the request is malformed").response()
+    async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        return await api_error(request, ApiError(400, "the request is malformed"))
 
     app.add_middleware(UnexpectedErrors)

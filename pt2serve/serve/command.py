@@ -18,6 +18,8 @@ from pt2serve.runtime_flags import (
     max_decode_sequences_option,
     min_prefill_chunk_option,
     num_cells_option,
+    prefix_cache_option,
+    prefix_reuse,
     step_budget,
     token_budget_option,
 )
@@ -32,13 +34,18 @@ def serve_artifact_command(
     host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 to listen on every interface)."),
     port: int = typer.Option(8000, help="Port to bind."),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: what the artifact was built for)."),
-    max_sessions: int = typer.Option(64, help="Sessions (X-Session-ID) whose KV cells are kept between requests."),
+    max_sessions: int = typer.Option(
+        64, help="Sessions (X-Session-ID) whose cached KV cells are pinned: evicted only after every unpinned one."
+    ),
+    session_pin_seconds: Optional[float] = typer.Option(
+        None, help="How long a session's cells stay pinned after its last request (default: the runner's, 10 minutes)."
+    ),
     max_queued: int = typer.Option(256, help="Requests running or queued before new ones are answered with 429."),
     max_connections: int = typer.Option(512, help="Open connections before new requests are answered with 503 "
                                         "(must exceed --max-queued)."),
     drain_timeout: float = typer.Option(30.0, help="On SIGTERM/SIGINT: seconds running requests may take to finish "
                                         "before they are cut; new requests get 503 meanwhile."),
-    prefix_cache_entries: int = typer.Option(0, help="Prompt prefixes kept for reuse across requests (0: off)."),
+    prefix_cache_enabled: Optional[bool] = prefix_cache_option(),
     token_budget: Optional[int] = token_budget_option(),
     max_decode_sequences: Optional[int] = max_decode_sequences_option(),
     min_prefill_chunk: Optional[int] = min_prefill_chunk_option(),
@@ -60,8 +67,8 @@ def serve_artifact_command(
         fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
     if not 0 <= port <= 65535:
         fail(f"--port must be in [0, 65535], got {port}")
-    if max_sessions < 0 or prefix_cache_entries < 0:
-        fail("--max-sessions and --prefix-cache-entries must not be negative")
+    if max_sessions < 0:
+        fail(f"--max-sessions must not be negative, got {max_sessions}")
     if not artifact.is_file():
         fail(f"{artifact} does not exist or is not a file")
 
@@ -80,7 +87,8 @@ def serve_artifact_command(
                               max_connections=max_connections, drain_timeout_s=drain_timeout)
         executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
         runner_config = RunnerConfig(**step_budget(token_budget, max_decode_sequences, min_prefill_chunk),
-                                     prefix_cache_entries=prefix_cache_entries, max_sessions=max_sessions)
+                                     **prefix_reuse(prefix_cache_enabled, session_pin_seconds),
+                                     max_sessions=max_sessions)
     except Pt2ServeError as err:
         fail(str(err))
 

@@ -26,8 +26,8 @@ class ServerMetrics:
         self.rejected = Counter("pt2serve_requests_rejected", "Requests answered with an error status before "
                                 "running, by status code.", ["status"], registry=r)
         self.prompt_tokens = Counter("pt2serve_prompt_tokens", "Prompt tokens of ended requests.", registry=r)
-        self.cached_tokens = Counter("pt2serve_cached_prompt_tokens", "Prompt tokens whose KV was reused from a "
-                                     "session or the prefix cache.", registry=r)
+        self.cached_tokens = Counter("pt2serve_cached_prompt_tokens", "Prompt tokens whose KV was reused from the "
+                                     "prefix cache.", registry=r)
         self.completion_tokens = Counter("pt2serve_completion_tokens", "Generated tokens.", registry=r)
         self.ttft = Histogram("pt2serve_time_to_first_token_seconds", "From receiving a request to its first "
                               "token.", buckets=TTFT_BUCKETS, registry=r)
@@ -60,11 +60,14 @@ class _RunnerCollector(Collector):
     _GAUGES = (
         ("pt2serve_requests_waiting", "Requests queued for their first step (or preempted).", "num_waiting"),
         ("pt2serve_requests_running", "Sequences holding KV cells.", "num_running"),
-        ("pt2serve_kv_cells_used", "KV cells in use (requests, sessions, prefix cache).", "cells_used"),
+        ("pt2serve_kv_cells_used", "KV cells in use (by requests, and by the prefix cache).", "cells_used"),
         ("pt2serve_kv_cells_free", "KV cells free.", "cells_free"),
-        ("pt2serve_kv_cells_leaked", "KV cells in use that no request, session or prefix-cache entry holds, "
+        ("pt2serve_kv_cells_leaked", "KV cells in use that no request or prefix-cache node holds, "
          "counted while idle (0 unless cells leak).", "cells_leaked"),
-        ("pt2serve_prefix_cache_hit_rate", "Share of prefix-cache lookups that hit.", "prefix_cache_hit_rate"),
+        ("pt2serve_prefix_cache_cells", "KV cells held only by the prefix cache for reuse (freed as steps need "
+         "them).", "prefix_cache_cells"),
+        ("pt2serve_prefix_cache_hit_rate", "Share of the tokens of admitted requests whose KV cells came from the "
+         "prefix cache, since start.", "prefix_cache_hit_rate"),
     )
     _COUNTERS = (
         ("pt2serve_preemptions", "Running requests whose cells were taken to make room (recomputed later).",

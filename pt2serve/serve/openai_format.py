@@ -18,7 +18,7 @@ FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from a session or the prefix cache
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
     def body(self) -> dict[str, Any]:
         return {
@@ -103,10 +103,15 @@ def model_card(model: str, created: int, max_context: int) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": created, "owned_by": "pt2serve", "max_model_len": max_context}
 
 
+# Characters JSON leaves raw in strings that line splitters following Python's str.splitlines (httpx's
+# aiter_lines, requests' iter_lines) break lines at, cutting an event in two; other line breaks JSON escapes.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict[str, Any] | str) -> bytes:
-    """One server-sent event."""
+    """One server-sent event, on one line however its text is split into lines."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
+    return f"data: {text.translate(_LINE_BREAKS_JSON_KEEPS)}\n\n".encode()
 
 
 SSE_DONE = sse("[DONE]")

@@ -36,7 +36,7 @@ if [ ! -f "$ARTIFACT" ]; then
 fi
 
 python3 -m pt2serve.cli serve-artifact "$ARTIFACT" --port "$PORT" --num-cells "$NUM_CELLS" \
-  --max-queued "$MAX_QUEUED" --max-sessions 32 --prefix-cache-entries 16 --drain-timeout 30 \
+  --max-queued "$MAX_QUEUED" --max-sessions 32 --drain-timeout 30 \
   > "$OUT/server.log" 2>&1 &
 server=$!
 for _ in $(seq 600); do
