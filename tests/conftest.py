@@ -8,6 +8,7 @@ after changing model or export code).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -104,6 +105,17 @@ def toy_server(toy_runner):
     thread = served(toy_runner, TOY_MODEL)
     yield thread.url
     thread.stop()
+
+
+def assert_only_the_cache_holds_cells(runner, timeout_s: float = 30) -> None:
+    """Once the runner is idle, every KV cell in use is the prefix cache's (nothing leaked); closing the
+    runner returns the pool to empty."""
+    deadline = time.monotonic() + timeout_s
+    while runner.num_active or runner.stats.num_running:
+        assert time.monotonic() < deadline, "the runner did not become idle"
+        time.sleep(0.01)
+    time.sleep(0.05)  # the engine refreshes its stats after draining commands
+    assert runner.stats.cells_used == runner.stats.prefix_cache_cells
 
 
 def served(runner, model_name: str):

@@ -20,6 +20,7 @@ import openai
 import pytest
 import torch
 
+from conftest import assert_only_the_cache_holds_cells
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.presets import byte_tokenizer_files, toy_greedy_continuation
 from pt2serve.runtime import executor as executor_module
@@ -74,7 +75,6 @@ def test_a_failing_detokenizer_fails_only_its_request(toy_runner, monkeypatch):
         return decode(ids)
 
     monkeypatch.setattr(toy_runner.tokenizer, "decode", failing_decode)
-    baseline = toy_runner.executor.allocator.num_used
     # Submitted together: both run in the same steps, and only the one whose text fails ends.
     bad = toy_runner.submit(poisoned, max_new_tokens=30)
     good = toy_runner.submit(clean, max_new_tokens=30)
@@ -83,12 +83,10 @@ def test_a_failing_detokenizer_fails_only_its_request(toy_runner, monkeypatch):
     done = good.result(timeout=60)
     assert done.finish_reason is FinishReason.LENGTH
     assert done.token_ids == toy_greedy_continuation(clean, 30) and done.text == decode(done.token_ids)
-    wait_until_idle(toy_runner)
-    assert toy_runner.executor.allocator.num_used == baseline
+    assert_only_the_cache_holds_cells(toy_runner)
 
 
 def test_a_raising_callback_fails_only_its_request(toy_runner):
-    baseline = toy_runner.executor.allocator.num_used
     seen = []
 
     def on_event(event):
@@ -102,8 +100,7 @@ def test_a_raising_callback_fails_only_its_request(toy_runner):
     assert failed.finish_reason is FinishReason.ERROR and "callback broke" in failed.error
     assert seen[-1].finish_reason is FinishReason.ERROR  # the callback still heard how it ended
     assert good.result(timeout=60).token_ids == toy_greedy_continuation([BOS, 2], 50)
-    wait_until_idle(toy_runner)
-    assert toy_runner.executor.allocator.num_used == baseline
+    assert_only_the_cache_holds_cells(toy_runner)
 
 
 def test_a_failing_tokenizer_call_answers_only_its_request(toy_server, toy_runner, monkeypatch):
@@ -127,7 +124,6 @@ def test_a_failing_tokenizer_call_answers_only_its_request(toy_server, toy_runne
 
 def test_a_stalled_client_holds_up_only_itself(toy_server, toy_runner):
     wait_until_idle(toy_runner)
-    baseline = toy_runner.executor.allocator.num_used
     body = json.dumps({"model": MODEL, "prompt": [BOS, 7], "max_tokens": 240, "stream": True}).encode()
     stalled = socket.socket()
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # fills at once: the server's writes block
@@ -139,8 +135,7 @@ def test_a_stalled_client_holds_up_only_itself(toy_server, toy_runner):
                 done = client.completions.create(model=MODEL, prompt=[BOS, i], max_tokens=20, temperature=0)
                 assert done.choices[0].text == TOKENIZER.decode(toy_greedy_continuation([BOS, i], 20))
         # The stalled request ran to its end in the engine and gave its cells back, unread.
-        wait_until_idle(toy_runner)
-        assert toy_runner.executor.allocator.num_used == baseline
+        assert_only_the_cache_holds_cells(toy_runner)
     finally:
         stalled.close()
 

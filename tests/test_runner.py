@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import stop_at_token
+from conftest import assert_only_the_cache_holds_cells, stop_at_token
 from pt2serve.model.presets import toy_greedy_continuation
 from pt2serve.runtime.engine import describe_load, open_runner
 from pt2serve.runtime.executor import ExecutorConfig
@@ -32,12 +32,6 @@ def wait_until_idle(runner, timeout: float = 10.0) -> None:
     while runner.num_active and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.05)  # the engine refreshes its stats after draining commands
-
-
-def assert_only_the_cache_holds_cells(runner) -> None:
-    """Once idle, every cell in use is the prefix cache's; closing the runner returns the pool to empty."""
-    wait_until_idle(runner)
-    assert runner.stats.cells_used == runner.stats.prefix_cache_cells
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
