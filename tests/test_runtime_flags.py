@@ -159,7 +159,7 @@ CELL_BYTES = 2 * 2 * 2 * 16 * 4  # tiny: 2 layers x (K, V) x 2 kv heads x head d
 
 def executor_finding(tiny_artifact, monkeypatch, free_bytes: int, max_cells: int | None = None, **config):
     """An executor over the tiny artifact on a machine that reports `free_bytes` of free memory."""
-    monkeypatch.setattr("pt2serve.runtime.executor._free_memory_bytes", lambda device: free_bytes)
+    monkeypatch.setattr("pt2serve.runtime.executor.available_memory_bytes", lambda device: free_bytes)
     artifact = load_artifact(tiny_artifact, device="cpu")
     if max_cells is not None:  # as if exported with this --max-cells (no step runs: only the pool is sized)
         artifact.metadata.raw["max_cells"] = max_cells
