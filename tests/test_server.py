@@ -269,7 +269,11 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": [1, True]}, 400, "list of integer token ids", "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": [1, VOCAB]}, 400, "outside the vocabulary", "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": [-1]}, 400, "outside the vocabulary", "prompt"),
-    (COMPLETIONS, {"model": MODEL, "prompt": ["a", "b"]}, 400, "only one prompt", "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ["a", ""]}, 400, "must not be empty", "prompt.1"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ["a", [1, VOCAB]]}, 400, "outside the vocabulary", "prompt.1"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ["a"] * 257}, 400, "at most 256 prompts", "prompt"),
+    (COMPLETIONS, {**OK, "min_p": 0.1}, 400, "min_p is not supported", "min_p"),
+    (COMPLETIONS, {**OK, "guided_regex": "a+"}, 400, "guided_regex is not supported", "guided_regex"),
     (COMPLETIONS, b'{"prompt": "a\\ud800"}', 400, "not valid Unicode", "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": [7] * 300}, 400, "context", "prompt"),
     (COMPLETIONS, {**OK, "echo": True}, 400, "echo is not supported", "echo"),
@@ -284,6 +288,14 @@ BAD_REQUESTS = [
      "messages.0.content"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "only n=1", "n"),
     (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "not valid Unicode", "messages.0.content"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     400, "response_format is not supported", "response_format"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     400, "tool_choice needs tools", "tool_choice"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4",
+     "tool_call_id": "1"}]}, 400, "tool calls and tool results", "messages.1"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+     400, "tool calls and tool results", "messages.0"),
 ]
 
 
@@ -297,6 +309,7 @@ def test_bad_request(server, path, body, status, message, param):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"], error  # every 4xx says what kind of error it is
     assert message in error["message"], error
     assert error["param"] == param
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")

@@ -181,6 +181,11 @@ class Runner:
     # -- caller side (any thread) ---------------------------------------------------------------------
 
     @property
+    def max_sequence_tokens(self) -> int:
+        """The most tokens (prompt + generated) one request may reach: the context, or the pool if smaller."""
+        return min(self.max_context, self.executor.allocator.capacity)
+
+    @property
     def num_active(self) -> int:
         """Requests submitted and not yet finished (running plus queued)."""
         return self._num_active

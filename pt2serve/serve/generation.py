@@ -22,7 +22,8 @@ log = logging.getLogger("pt2serve.serve")
 
 
 class Generation:
-    def __init__(self, runner: Runner, metrics: ServerMetrics, arrived: float) -> None:
+    def __init__(self, runner: Runner, metrics: ServerMetrics, arrived: float, prompt_index: int = 0) -> None:
+        self.prompt_index = prompt_index  # which prompt of its request it answers
         self._runner = runner
         self._metrics = metrics
         self._loop = asyncio.get_running_loop()

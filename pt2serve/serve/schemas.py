@@ -2,10 +2,16 @@
 
 Scalars are checked by pydantic in strict mode (no "12" for 12, no true for 1); prompts, messages and
 stop strings, whose accepted shapes are unions, are checked by hand for clearer messages.
+
+No field that changes the output is ignored: a known parameter this server cannot honour is refused with
+a 400 that names it (code "unsupported_parameter"). Fields that do not change the output (`user`,
+`metadata`, ...) are accepted; any other unknown field is logged at info and ignored, since clients send
+their own extensions, except those that are known to change the output elsewhere (see REFUSED_EXTENSIONS).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,10 +20,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pt2serve.runtime.sampling import MAX_TEMPERATURE
 from pt2serve.serve.errors import ApiError, bad_request
 
+log = logging.getLogger("pt2serve.serve")
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 16
 MAX_SESSION_ID_CHARS = 256
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_CHOICES = 128  # n, and prompts x n
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Fields OpenAI or peers define that leave the output as it is.
+NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prediction", "stream_options"})
+# Extensions other servers accept that change the output and that this server does not implement.
+REFUSED_EXTENSIONS = frozenset({
+    "min_p", "top_a", "typical_p", "use_beam_search", "length_penalty", "early_stopping", "bad_words",
+    "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "prompt_logprobs", "guided_choice", "guided_json", "guided_regex", "guided_grammar",
+    "guided_decoding_backend", "structured_outputs", "continue_final_message", "add_generation_prompt",
+    "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs", "functions", "function_call",
+    "audio", "modalities", "web_search_options", "reasoning_effort", "verbosity", "logits_processors",
+    "vllm_xargs", "nvext", "priority", "return_tokens_as_token_ids",
+})
 
 
 class _StreamOptions(BaseModel):
@@ -26,9 +48,9 @@ class _StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """Fields both endpoints share; unknown fields are ignored, unsupported features refused."""
+    """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -40,14 +62,16 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # extension, as vLLM's
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     session_id: str | None = Field(None, min_length=1, max_length=MAX_SESSION_ID_CHARS)  # extension
     ignore_eos: bool | None = False  # extension
-    # Accepted only at their "off" values.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # extension
+    min_tokens: int | None = Field(None, ge=0)  # extension
     logit_bias: dict[str, Any] | None = None
     logprobs: Any = None
+    response_format: Any = None
 
 
 class _CompletionBody(_Common):
@@ -61,15 +85,17 @@ class _ChatBody(_Common):
     messages: Any = None
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A checked request, the same for both endpoints (exactly one of prompt and messages is set)."""
+    """A checked request, the same for both endpoints (exactly one of prompts and messages is set)."""
 
     model: str | None
-    prompt: str | list[int] | None
+    prompts: list[str | list[int]] | None  # completions: one choice (or n) per prompt
     messages: list[dict[str, Any]] | None
     max_tokens: int | None  # None: the server's default
     temperature: float
@@ -82,6 +108,11 @@ class GenerationRequest:
     include_usage: bool
     session_id: str | None
     ignore_eos: bool
+    n: int
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * (len(self.prompts) if self.prompts is not None else 1)
 
 
 def parse_completion(data: Any) -> GenerationRequest:
@@ -89,13 +120,17 @@ def parse_completion(data: Any) -> GenerationRequest:
     _refuse_unsupported(body)
     if body.echo:
         raise _unsupported("echo")
-    if body.best_of not in (None, 1):
-        raise _unsupported("best_of", "only best_of=1 is supported")
+    if body.best_of not in (None, 1) and body.best_of != body.n:
+        raise _unsupported("best_of", "best_of must equal n (every sampled choice is returned)")
     if body.suffix:
         raise _unsupported("suffix")
     if body.logprobs is not None:
         raise _unsupported("logprobs")
-    return _request(body, prompt=_prompt(body.prompt), max_tokens=body.max_tokens)
+    prompts = _prompts(body.prompt)
+    if len(prompts) * (body.n or 1) > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices in one "
+                          "request", "n", "too_many_choices")
+    return _request(body, prompts=prompts, max_tokens=body.max_tokens)
 
 
 def parse_chat(data: Any) -> GenerationRequest:
@@ -105,42 +140,56 @@ def parse_chat(data: Any) -> GenerationRequest:
         raise _unsupported("logprobs")
     if body.tools:
         raise _unsupported("tools")
+    if body.tool_choice not in (None, "none"):
+        raise _unsupported("tool_choice", "tool_choice needs tools, which this server does not support")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return _request(body, messages=_messages(body.messages), max_tokens=max_tokens)
 
 
 def _validate(model: type[BaseModel], data: Any) -> Any:
     if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
+        raise bad_request("the request body must be a JSON object", code="invalid_body")
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
         param = ".".join(str(part) for part in first["loc"]) or None
-        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, "invalid_value") from None
+    extra = sorted(body.model_extra or ())
+    refused = [name for name in extra if name in REFUSED_EXTENSIONS]
+    if refused:
+        raise _unsupported(refused[0])
+    unknown = [name for name in extra if name not in NO_EFFECT_FIELDS]
+    if unknown:
+        log.info("ignoring unknown request fields: %s", ", ".join(unknown))
+    return body
 
 
 def _refuse_unsupported(body: _Common) -> None:
-    if body.n not in (None, 1):
-        raise _unsupported("n", f"only n=1 is supported, got n={body.n}")
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name in ("presence_penalty", "frequency_penalty", "min_tokens"):
         if getattr(body, name):
             raise _unsupported(name)
+    if body.repetition_penalty not in (None, 1.0):
+        raise _unsupported("repetition_penalty")
     if body.logit_bias:
         raise _unsupported("logit_bias")
+    if body.n not in (None, 1):
+        raise _unsupported("n", f"only n=1 is supported, got n={body.n}")
+    if body.response_format is not None and body.response_format != {"type": "text"}:
+        raise _unsupported("response_format")
 
 
 def _unsupported(param: str, message: str | None = None) -> ApiError:
     return bad_request(message or f"{param} is not supported by this server", param, "unsupported_parameter")
 
 
-def _request(body: _Common, *, max_tokens: int | None, prompt=None, messages=None) -> GenerationRequest:
+def _request(body: _Common, *, max_tokens: int | None, prompts=None, messages=None) -> GenerationRequest:
     options = body.stream_options
     if options is not None and not body.stream:
-        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options", "invalid_value")
     return GenerationRequest(
         model=body.model,
-        prompt=prompt,
+        prompts=prompts,
         messages=messages,
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -153,43 +202,54 @@ def _request(body: _Common, *, max_tokens: int | None, prompt=None, messages=Non
         include_usage=bool(options and options.include_usage),
         session_id=body.session_id,
         ignore_eos=bool(body.ignore_eos),
+        n=body.n or 1,
     )
 
 
-def _prompt(value: Any) -> str | list[int]:
-    """A text or a list of token ids; a batch of exactly one is unwrapped, larger batches refused."""
+def _prompts(value: Any) -> list[str | list[int]]:
+    """One prompt (a text or a list of token ids) or a list of them."""
     if value is None:
-        raise bad_request("prompt: Field required", "prompt")
+        raise bad_request("prompt: Field required", "prompt", "missing_parameter")
     if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
-        if len(value) != 1:
-            raise bad_request(f"only one prompt per request is supported, got {len(value)}", "prompt")
-        value = value[0]
+        if len(value) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request are supported, got {len(value)}",
+                              "prompt", "too_many_prompts")
+        return [_prompt(v, f"prompt.{i}") for i, v in enumerate(value)]
+    return [_prompt(value, "prompt")]
+
+
+def _prompt(value: Any, where: str) -> str | list[int]:
     if isinstance(value, str):
         if not value:
-            raise bad_request("prompt must not be empty", "prompt")
-        return _text(value, "prompt")
+            raise bad_request(f"{where} must not be empty", where, "empty_prompt")
+        return _text(value, where)
     if isinstance(value, list):
         if not value:
-            raise bad_request("prompt must not be empty", "prompt")
+            raise bad_request(f"{where} must not be empty", where, "empty_prompt")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            raise bad_request("prompt must be a string or a list of integer token ids", "prompt")
+            raise bad_request(f"{where} must be a string or a list of integer token ids", where, "invalid_value")
         return list(value)
-    raise bad_request("prompt must be a string or a list of integer token ids", "prompt")
+    raise bad_request(f"{where} must be a string or a list of integer token ids", where, "invalid_value")
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
     if value is None:
-        raise bad_request("messages: Field required", "messages")
+        raise bad_request("messages: Field required", "messages", "missing_parameter")
     if not isinstance(value, list) or not value:
-        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages",
+                          "invalid_value")
     messages = []
     for i, message in enumerate(value):
         where = f"messages.{i}"
         if not isinstance(message, dict):
-            raise bad_request(f"{where} must be an object with role and content", where)
+            raise bad_request(f"{where} must be an object with role and content", where, "invalid_value")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+            raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                              f"{where}.role", "invalid_value")
+        if role == "tool" or message.get("tool_calls") or message.get("tool_call_id") is not None:
+            raise bad_request(f"{where}: tool calls and tool results need tools, which this server does not "
+                              "support", where, "unsupported_parameter")
         messages.append({"role": role, "content": _content(message.get("content"), f"{where}.content")})
     return messages
 
@@ -204,10 +264,10 @@ def _content(value: Any, where: str) -> str:
         texts = []
         for part in value:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad_request(f"{where}: only text content parts are supported", where)
+                raise bad_request(f"{where}: only text content parts are supported", where, "unsupported_content")
             texts.append(part["text"])
         return _text("".join(texts), where)
-    raise bad_request(f"{where} must be a string or a list of text parts", where)
+    raise bad_request(f"{where} must be a string or a list of text parts", where, "invalid_value")
 
 
 def _text(value: str, where: str) -> str:
@@ -215,7 +275,7 @@ def _text(value: str, where: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise bad_request(f"{where} is not valid Unicode (it has a lone surrogate)", where) from None
+        raise bad_request(f"{where} is not valid Unicode (it has a lone surrogate)", where, "invalid_unicode") from None
     return value
 
 
@@ -224,9 +284,10 @@ def _stop(value: Any) -> tuple[str, ...]:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad_request("stop must be a string or a list of strings", "stop")
+        raise bad_request("stop must be a string or a list of strings", "stop", "invalid_value")
     if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}", "stop")
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}", "stop",
+                          "invalid_value")
     if any(not s for s in stops):
-        raise bad_request("stop strings must not be empty", "stop")
+        raise bad_request("stop strings must not be empty", "stop", "invalid_value")
     return tuple(stops)
