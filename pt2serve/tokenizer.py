@@ -81,6 +81,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's own text, special tokens included (what logprobs name a token by)."""
+        return self._tok.decode([token], skip_special_tokens=False)
+
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The prompt text for a chat; the template adds bos itself when it wants one."""
         try:

@@ -25,6 +25,7 @@ from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import Artifact
 from pt2serve.runtime.cells import CellAllocator, allocate_kv_pools, cells_that_fit, check_pool_fits
 from pt2serve.runtime.graphs import capture_all
+from pt2serve.runtime.logprobs import ScoredRows, TokenLogprob, score
 from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, regions, slice_step
 
 
@@ -56,23 +57,36 @@ class StepResult:
     tokens: tuple[int | None, ...]  # per chunk: the sampled next token, None where none was asked for
     calls: tuple[CallRecord, ...]
     device_seconds: float | None = None  # the step's time on the GPU (CUDA events); None on the CPU
+    # Per chunk, where asked for: the sampled token's log probability, and the scored prompt rows' in order.
+    logprobs: tuple[TokenLogprob | None, ...] = ()
+    prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class _ScoredPrompt:
+    rows: ScoredRows
+    targets: list[int]  # each row's target token
 
 
 class PendingStep:
     """A launched step: its device work is queued; result() waits for the sampled ids (one host sync)."""
 
-    def __init__(self, num_chunks: int, calls: tuple[CallRecord, ...], sampled: list[int],
-                 ids: torch.Tensor | None, started: torch.cuda.Event | None) -> None:
-        self._num_chunks = num_chunks
+    def __init__(self, chunks: list[Chunk], calls: tuple[CallRecord, ...], sampled: list[int],
+                 ids: torch.Tensor | None, started: torch.cuda.Event | None,
+                 scored: list[ScoredRows | _ScoredPrompt] = ()) -> None:
+        self._chunks = chunks
         self._calls = calls
         self._sampled = sampled  # the chunk index of each row of ids
         self._started = started
         self._ended: torch.cuda.Event | None = None
-        self._host_ids = ids
-        if started is not None:  # CUDA: copy the ids down behind the queued work
-            if ids is not None:
-                self._host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-                self._host_ids.copy_(ids, non_blocking=True)
+        self._scored = scored  # sampled rows' (ScoredRows) and prompt rows' (_ScoredPrompt) log probabilities
+        downloads = [ids] if ids is not None else []
+        downloads += [t for block in scored for t in _rows(block).tensors]
+        self._host = downloads
+        if started is not None:  # CUDA: copy everything down behind the queued work, in one sync
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in downloads]
+            for host, device in zip(self._host, downloads):
+                host.copy_(device, non_blocking=True)
             self._ended = torch.cuda.Event(enable_timing=True)
             self._ended.record()
 
@@ -81,11 +95,32 @@ class PendingStep:
         if self._ended is not None:
             self._ended.synchronize()
             device_seconds = self._started.elapsed_time(self._ended) / 1e3
-        tokens: list[int | None] = [None] * self._num_chunks
-        if self._host_ids is not None:
-            for index, token in zip(self._sampled, self._host_ids.tolist()):
+        num_chunks = len(self._chunks)
+        tokens: list[int | None] = [None] * num_chunks
+        host = list(self._host)
+        if self._sampled:
+            for index, token in zip(self._sampled, host.pop(0).tolist()):
                 tokens[index] = token
-        return StepResult(tuple(tokens), self._calls, device_seconds)
+        if not self._scored:
+            return StepResult(tuple(tokens), self._calls, device_seconds)
+        logprobs: list[TokenLogprob | None] = [None] * num_chunks
+        prompt: list[list[TokenLogprob]] = [[] for _ in range(num_chunks)]
+        for block in self._scored:
+            rows = _rows(block)
+            count = len(rows.tensors)
+            values, host = host[:count], host[count:]
+            if isinstance(block, _ScoredPrompt):
+                for chunk, row in zip(rows.chunks, rows.read(values, block.targets)):
+                    prompt[chunk].append(row)
+            else:
+                for chunk, row in zip(rows.chunks, rows.read(values, [tokens[c] for c in rows.chunks])):
+                    logprobs[chunk] = row
+        return StepResult(tuple(tokens), self._calls, device_seconds, tuple(logprobs),
+                          tuple(tuple(rows) for rows in prompt))
+
+
+def _rows(block: ScoredRows | _ScoredPrompt) -> ScoredRows:
+    return block.rows if isinstance(block, _ScoredPrompt) else block
 
 
 @dataclass(frozen=True)
@@ -175,20 +210,45 @@ class Executor:
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        outputs, sampled, calls = [], [], []
+        outputs, sampled, calls, scored = [], [], [], []
         for piece, call in self.method_calls(chunks):
             logits = self._forward(call)
-            if call.sampled_chunks:
-                by_index = dict(piece)
+            by_index = dict(piece)
+            num_sampled = len(call.sampled_chunks)
+            if num_sampled:
                 rows = [by_index[i] for i in call.sampled_chunks]
-                outputs.append(self._sample(logits[: len(rows)], rows))
+                ids = self._sample(logits[:num_sampled], rows)
+                outputs.append(ids)
                 sampled.extend(call.sampled_chunks)
+                scored += self._score_sampled(logits[:num_sampled], ids, call.sampled_chunks, rows)
+            if call.prompt_rows:
+                scored.append(self._score_prompt(logits[num_sampled:], call, by_index))
             calls.append(CallRecord(call.method, call.num_tokens))
         ids = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)) if outputs else None
         # What a placeholder in the next step reads: this step's ids, by chunk index.
         self._previous_ids = ids
         self._previous_rows = {chunk: row for row, chunk in enumerate(sampled)}
-        return PendingStep(len(chunks), tuple(calls), sampled, ids, started)
+        return PendingStep(chunks, tuple(calls), sampled, ids, started, scored)
+
+    def _score_sampled(self, logits: torch.Tensor, ids: torch.Tensor, indices: tuple[int, ...],
+                       rows: list[Chunk]) -> list[ScoredRows]:
+        """Log probabilities of the sampled tokens of the rows that asked for them (none: no device work)."""
+        wanted = [row for row, chunk in enumerate(rows) if chunk.logprobs is not None]
+        if not wanted:
+            return []
+        if len(wanted) < len(rows):
+            select = self._to_device(np.array(wanted, dtype=np.int64))
+            logits, ids = logits.index_select(0, select), ids.index_select(0, select)
+        return [score(logits, ids, [indices[r] for r in wanted], [rows[r].logprobs for r in wanted])]
+
+    def _score_prompt(self, logits: torch.Tensor, call: MethodCall, by_index: dict[int, Chunk]) -> _ScoredPrompt:
+        """Log probabilities of the prompt tokens that follow each scored prompt row."""
+        targets = [by_index[index].prompt_targets for index, _ in call.prompt_rows]
+        flat = [t for block in targets for t in block]
+        row_chunks = [index for index, count in call.prompt_rows for _ in range(count)]
+        tops = [by_index[index].prompt_logprobs for index in row_chunks]
+        device_targets = self._to_device(np.array(flat, dtype=np.int64))
+        return _ScoredPrompt(score(logits[: len(flat)], device_targets, row_chunks, tops), flat)
 
     def _forward(self, call: MethodCall) -> torch.Tensor:
         if call.width is not None:

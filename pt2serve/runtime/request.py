@@ -45,6 +45,8 @@ class RequestSpec:
     stop_strings: tuple[str, ...] = ()
     session_id: str | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # each sampled token's log probability, with this many alternatives
+    prompt_logprobs: int | None = None  # each prompt token's (but the first), with this many alternatives
 
 
 @dataclass

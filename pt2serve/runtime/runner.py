@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pt2serve.errors import Pt2ServeError
-from pt2serve.runtime.executor import CallRecord, Executor, PendingStep
+from pt2serve.runtime.executor import CallRecord, Executor, PendingStep, StepResult
+from pt2serve.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec, RequestStats
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
 from pt2serve.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -51,6 +52,9 @@ class StreamEvent:
     text: str  # the detokenized text this event adds ("" without a tokenizer)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprob: TokenLogprob | None = None  # the token's, when the request asked for logprobs
+    # On the first token of a request that asked for prompt logprobs: the prompt's tokens after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class Completion:
     finish_reason: FinishReason
     stats: RequestStats
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,10 +108,16 @@ class RequestHandle:
         self._done = threading.Event()
         self._token_ids: list[int] = []
         self._text: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._prompt_logprobs: tuple[TokenLogprob, ...] | None = None
         self._finish: StreamEvent | None = None
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
 
     def _deliver(self, event: StreamEvent) -> None:
+        if event.logprob is not None:
+            self._logprobs.append(event.logprob)
+        if event.prompt_logprobs is not None:
+            self._prompt_logprobs = event.prompt_logprobs
         if event.token_id is not None:
             self._token_ids.append(event.token_id)
         self._text.append(event.text)
@@ -134,7 +146,8 @@ class RequestHandle:
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         assert self._finish is not None
         return Completion(list(self._token_ids), "".join(self._text), self._finish.finish_reason,
-                          self.stats, self._finish.error)
+                          self.stats, self._finish.error, list(self._logprobs) if self._logprobs else None,
+                          self._prompt_logprobs)
 
 
 @dataclass
@@ -145,6 +158,8 @@ class _Live:
     decoder: IncrementalDecoder | None
     stops: StopStringMatcher
     emitted_text: list[str] = field(default_factory=list)
+    # Scored prompt positions (a recomputed prompt scores them again, to the same values), until the first token.
+    prompt_logprobs: dict[int, TokenLogprob] | None = None
 
 
 class Runner:
@@ -200,11 +215,18 @@ class Runner:
         session_id: str | None = None,
         ignore_eos: bool = False,
         on_event: Callable[[StreamEvent], None] | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> RequestHandle:
-        """Queue a request; raises Pt2ServeError for a request that can never run."""
+        """Queue a request; raises Pt2ServeError for a request that can never run.
+
+        `logprobs` / `prompt_logprobs`: score each sampled / prompt token, with that many alternatives."""
         prompt_ids = self._prompt_ids(prompt)
         if max_new_tokens < 1:
             raise Pt2ServeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        for name, top in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise Pt2ServeError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         total = len(prompt_ids) + max_new_tokens
         if total > self.max_context:
             raise Pt2ServeError(
@@ -217,7 +239,7 @@ class Runner:
         if self.tokenizer is not None and not ignore_eos:
             stops.update(self.tokenizer.eos_token_ids)
         spec = RequestSpec(tuple(prompt_ids), max_new_tokens, sampling, frozenset(stops), tuple(stop_strings),
-                           session_id, ignore_eos)
+                           session_id, ignore_eos, logprobs, prompt_logprobs)
         handle = RequestHandle(next(self._ids), prompt_ids, on_event)
         with self._active_lock:
             if self._stopping:
@@ -295,7 +317,8 @@ class Runner:
         request = Request(handle.id, spec, list(spec.prompt_ids), RequestRandom(spec.sampling.seed))
         request.stats = handle.stats
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
-        self._live[handle.id] = _Live(handle, decoder, StopStringMatcher(spec.stop_strings))
+        self._live[handle.id] = _Live(handle, decoder, StopStringMatcher(spec.stop_strings),
+                                      prompt_logprobs={} if spec.prompt_logprobs is not None else None)
         self.scheduler.add(request)
 
     def _launch_next(self) -> _InFlight | None:
@@ -323,8 +346,21 @@ class Runner:
         self.step_history.append(
             StepRecord(plan.step, plan.num_tokens, plan.num_decode, result.calls, seconds, result.device_seconds)
         )
+        logprobs = self._collect_logprobs(plan, result)
         for event in self.scheduler.commit(plan, result.tokens):
-            self._on_token(event.request_id, event.token, event.finish_reason)
+            self._on_token(event.request_id, event.token, event.finish_reason, logprobs.get(event.request_id))
+
+    def _collect_logprobs(self, plan: StepPlan, result: StepResult) -> dict[int, TokenLogprob]:
+        """Keep the step's scored prompt positions; return its sampled tokens' log probabilities by request."""
+        sampled = {}
+        for chunk, rows in zip(plan.chunks, result.prompt_logprobs):
+            live = self._live.get(chunk.request_id)
+            if rows and live is not None and live.prompt_logprobs is not None:
+                live.prompt_logprobs.update((chunk.start + k, row) for k, row in enumerate(rows))
+        for chunk, logprob in zip(plan.chunks, result.logprobs):
+            if logprob is not None:
+                sampled[chunk.request_id] = logprob
+        return sampled
 
     def _fail_step(self, plan: StepPlan, err: Exception) -> None:
         """A step failed on the device: exactly its requests end with the error."""
@@ -332,7 +368,8 @@ class Runner:
         for request_id in self.scheduler.fail(plan, message):
             self._emit_final(request_id, FinishReason.ERROR, message)
 
-    def _on_token(self, request_id: int, token: int, finish_reason: FinishReason | None) -> None:
+    def _on_token(self, request_id: int, token: int, finish_reason: FinishReason | None,
+                  logprob: TokenLogprob | None = None) -> None:
         live = self._live[request_id]
         try:
             text, hit_stop = self._text(live, token, is_final=finish_reason is not None)
@@ -343,7 +380,12 @@ class Runner:
             self.scheduler.finish(request_id, FinishReason.STOP)
         if hit_stop:  # also when the token that ends the request by length completes a stop string
             finish_reason = FinishReason.STOP
-        self._deliver(request_id, StreamEvent(token, text, finish_reason))
+        prompt_logprobs = None
+        if live.prompt_logprobs is not None:  # the first token: every prompt position is scored by now
+            scored = live.prompt_logprobs
+            prompt_logprobs = tuple(scored[p] for p in range(len(live.handle.prompt_ids) - 1))
+            live.prompt_logprobs = None
+        self._deliver(request_id, StreamEvent(token, text, finish_reason, None, logprob, prompt_logprobs))
 
     @staticmethod
     def _text(live: _Live, token: int | None, is_final: bool) -> tuple[str, bool]:

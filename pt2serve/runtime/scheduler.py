@@ -190,8 +190,9 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         if request.num_computed:
             return
-        # At least the newest token must be computed: its logits give the next token.
-        limit = len(request.tokens) - 1
+        # At least the newest token must be computed: its logits give the next token. A prompt to be scored
+        # is computed whole: reused cells come without the logits of their positions.
+        limit = 0 if request.spec.prompt_logprobs is not None else len(request.tokens) - 1
         reused = self._reuse_session(request, limit)
         if reused == 0 and self.prefix_cache.max_entries:
             match = self.prefix_cache.lookup(request.tokens, limit)
@@ -251,8 +252,11 @@ class Scheduler:
                 tokens = tuple(request.tokens[c.start:c.start + c.num_tokens])
             else:
                 tokens = (PLACEHOLDER_TOKEN,)  # the executor puts the sampled id there on the device
-            sampling = request.spec.sampling if c.samples else None
-            chunks.append(Chunk(request.cells.cells, tokens, c.start, sampling, c.uniform, c.previous_sample))
+            spec = request.spec
+            sampling = spec.sampling if c.samples else None
+            logprobs = spec.logprobs if c.samples else None
+            chunks.append(Chunk(request.cells.cells, tokens, c.start, sampling, c.uniform, c.previous_sample,
+                                logprobs, _prompt_targets(request, c), spec.prompt_logprobs or 0))
         return chunks
 
     def commit(self, plan: StepPlan, tokens: tuple[int | None, ...]) -> list[TokenEvent]:
@@ -327,3 +331,11 @@ class Scheduler:
         held += self.sessions.held_cells() + self.prefix_cache.held_cells()
         owned = len(np.unique(np.concatenate(held))) if held else 0
         return self.allocator.num_used - owned
+
+
+def _prompt_targets(request: Request, chunk: ScheduledChunk) -> tuple[int, ...]:
+    """For a request whose prompt is scored: the prompt tokens that follow the chunk's first tokens."""
+    if request.spec.prompt_logprobs is None:
+        return ()
+    end = min(chunk.start + chunk.num_tokens, request.num_prompt - 1)
+    return tuple(request.spec.prompt_ids[chunk.start + 1:end + 1])

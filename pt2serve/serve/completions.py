@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -15,7 +16,9 @@ from pt2serve.runtime.runner import Runner, StreamEvent
 from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.errors import ApiError, bad_request
+from pt2serve.runtime.logprobs import TokenLogprob
 from pt2serve.serve.generation import Generation
+from pt2serve.serve.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from pt2serve.serve.openai_format import FINISH_REASONS, SSE_DONE, ChatFormat, Choice, CompletionFormat, Usage, sse
 from pt2serve.serve.schemas import MAX_SESSION_ID_CHARS, GenerationRequest, parse_chat, parse_completion
 from pt2serve.serve.state import ServerState
@@ -44,6 +47,7 @@ async def handle(request: Request, state: ServerState, chat: bool) -> Response:
                     for j in range(req.n)]
     except Pt2ServeError as err:
         raise bad_request(str(err)) from None
+    prompt_logprobs = req.logprobs if req.echo else None
     state.check_admission(runner, req.num_choices)
     generations = []
     try:
@@ -51,16 +55,82 @@ async def handle(request: Request, state: ServerState, chat: bool) -> Response:
             for params in sampling:
                 generation = Generation(runner, state.metrics, arrived, prompt_index)
                 generations.append(generation)
-                generation.start(ids, limit, params, req.stop, req.stop_token_ids, session_id, req.ignore_eos)
+                generation.start(ids, limit, params, req.stop, req.stop_token_ids, session_id, req.ignore_eos,
+                                 req.logprobs, prompt_logprobs)
     except Pt2ServeError as err:
         for generation in generations:
             generation.cancel()
         raise bad_request(str(err)) from None
-    fmt = ChatFormat(config.model_name) if chat else CompletionFormat(config.model_name)
+    render = Rendering(
+        fmt=ChatFormat(config.model_name) if chat else CompletionFormat(config.model_name),
+        texts=TokenTexts(runner.tokenizer),
+        prompts=prompts,
+        echoed=[_echo_text(runner, p, ids) for p, ids in zip(req.prompts, prompts)] if req.echo else None,
+        logprobs=req.logprobs is not None,
+        token_ids=not chat and any(isinstance(prompt, list) for prompt in req.prompts),
+    )
     if req.stream:
-        return EventStream(_stream(generations, fmt, req.include_usage), on_close=lambda: _cancel(generations))
-    token_ids = not chat and any(isinstance(prompt, list) for prompt in req.prompts)
-    return await _respond(request, generations, fmt, token_ids)
+        return EventStream(_stream(generations, render, req.include_usage), on_close=lambda: _cancel(generations))
+    return await _respond(request, generations, render)
+
+
+def _echo_text(runner: Runner, prompt: str | list[int], ids: list[int]) -> str:
+    """What `echo` puts before a completion: the prompt as sent, or the text of its token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    return runner.tokenizer.decode(ids) if runner.tokenizer is not None else ""
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """How a request's choices are written out: endpoint format, echo, logprobs, token ids."""
+
+    fmt: ChatFormat | CompletionFormat
+    texts: TokenTexts
+    prompts: list[list[int]]
+    echoed: list[str] | None  # per prompt, when echo was asked for
+    logprobs: bool
+    token_ids: bool
+
+    @property
+    def chat(self) -> bool:
+        return isinstance(self.fmt, ChatFormat)
+
+    def choice(self, index: int, generation: Generation, reason: str) -> Choice:
+        text = generation.text
+        logprobs = None
+        if self.echoed is not None:
+            text = self.echoed[generation.prompt_index] + text
+        if self.logprobs:
+            logprobs = self.logprobs_of(generation, generation.logprobs, generation.token_ids, echo=True)
+        return Choice(index, text, reason, list(generation.token_ids) if self.token_ids else None, logprobs)
+
+    def logprobs_of(self, generation: Generation, entries: list[TokenLogprob], tokens: list[int],
+                    echo: bool, text_offset: int = 0) -> dict[str, Any]:
+        """`entries` (of `tokens`) in the endpoint's shape; with `echo`, after the prompt's when it was scored."""
+        if self.chat:
+            return chat_logprobs(self.texts, entries)
+        if echo and generation.prompt_logprobs is not None:
+            prompt = self.prompts[generation.prompt_index]
+            return completion_logprobs(self.texts, [None, *generation.prompt_logprobs, *entries],
+                                       [*prompt, *tokens], text_offset)
+        return completion_logprobs(self.texts, list(entries), list(tokens), text_offset)
+
+    def stream_chunks(self, index: int, generation: Generation, event: StreamEvent, first: bool,
+                      include_usage: bool, text_offset: int) -> tuple[list[dict[str, Any]], int]:
+        """The chunks one token event adds (on a choice's first, the echoed prompt before it), and where the
+        choice's text goes on after them."""
+        chunks = []
+        if first and self.echoed is not None:
+            echoed = self.echoed[generation.prompt_index]
+            logprobs = self.logprobs_of(generation, [], [], echo=True) if self.logprobs else None
+            chunks.append(self.fmt.chunk(index, echoed, True, include_usage, logprobs))
+            first, text_offset = False, len(echoed)
+        logprobs = None
+        if self.logprobs and event.logprob is not None:
+            logprobs = self.logprobs_of(generation, [event.logprob], [event.token_id], False, text_offset)
+        chunks.append(self.fmt.chunk(index, event.text, first, include_usage, logprobs))
+        return chunks, text_offset + len(event.text)
 
 
 def _choice_seed(seed: int | None, choice: int) -> int | None:
@@ -134,8 +204,7 @@ def _max_tokens(runner: Runner, config: ServerConfig, req: GenerationRequest, nu
     return req.max_tokens
 
 
-async def _respond(request: Request, generations: list[Generation], fmt: ChatFormat | CompletionFormat,
-                   token_ids: bool) -> Response:
+async def _respond(request: Request, generations: list[Generation], render: Rendering) -> Response:
     """Wait for every choice; a client that disconnects first has its requests cancelled."""
     disconnect = asyncio.ensure_future(wait_for_disconnect(request.receive))
     done = asyncio.gather(*(generation.done for generation in generations))
@@ -152,8 +221,8 @@ async def _respond(request: Request, generations: list[Generation], fmt: ChatFor
         reason = FINISH_REASONS.get(generation.finish_reason)
         if reason is None:
             return _ended_badly(generation).response()
-        choices.append(Choice(index, generation.text, reason, list(generation.token_ids) if token_ids else None))
-    return JSONResponse(fmt.body(choices, _usage(generations)))
+        choices.append(render.choice(index, generation, reason))
+    return JSONResponse(render.fmt.body(choices, _usage(generations)))
 
 
 def _usage(generations: list[Generation]) -> Usage:
@@ -183,21 +252,23 @@ async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, lis
             task.cancel()
 
 
-async def _stream(generations: list[Generation], fmt: ChatFormat | CompletionFormat,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(generations: list[Generation], render: Rendering, include_usage: bool) -> AsyncIterator[bytes]:
     """Per choice, one chunk per generated token (its text may be empty while held back), then one with the
     finish reason; after every choice, usage if asked for, then [DONE]. A choice that fails ends the stream
     with an error event.
 
     The events waiting together go out in one write: a client that falls behind costs fewer writes, and
     one that left is not written to once per queued event (asyncio warns about each such write)."""
-    started: set[int] = set()
+    fmt = render.fmt
+    text_offsets: dict[int, int] = {}  # per choice that has started: where its next text begins
     async for index, batch in _merged(generations):
         parts = []
         for event in batch:
             if event.token_id is not None or event.text:  # a cut request's last event may carry held-back text
-                parts.append(sse(fmt.chunk(index, event.text, index not in started, include_usage)))
-                started.add(index)
+                first = index not in text_offsets
+                chunks, text_offsets[index] = render.stream_chunks(index, generations[index], event, first,
+                                                                   include_usage, text_offsets.get(index, 0))
+                parts += [sse(chunk) for chunk in chunks]
             if event.finish_reason is None:
                 continue
             reason = FINISH_REASONS.get(event.finish_reason)

@@ -48,6 +48,7 @@ class Choice:
     text: str
     finish_reason: str
     token_ids: list[int] | None = None  # extension: sent when a prompt was token ids
+    logprobs: dict[str, Any] | None = None  # in the endpoint's shape (logprob_format.py)
 
 
 @dataclass
@@ -60,15 +61,16 @@ class CompletionFormat(_Format):
     def body(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         bodies = []
         for choice in choices:
-            body: dict[str, Any] = {"index": choice.index, "text": choice.text, "logprobs": None,
+            body: dict[str, Any] = {"index": choice.index, "text": choice.text, "logprobs": choice.logprobs,
                                     "finish_reason": choice.finish_reason}
             if choice.token_ids is not None:
                 body["token_ids"] = choice.token_ids
             bodies.append(body)
         return self._envelope("text_completion", bodies, usage=usage.body())
 
-    def chunk(self, index: int, text: str, first: bool, with_usage: bool) -> dict[str, Any]:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+    def chunk(self, index: int, text: str, first: bool, with_usage: bool,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         return self._envelope("text_completion", [choice], **_null_usage(with_usage))
 
     def finish_chunk(self, index: int, finish_reason: str, with_usage: bool) -> dict[str, Any]:
@@ -87,13 +89,14 @@ class ChatFormat(_Format):
         self.id = self.id or f"chatcmpl-{uuid.uuid4().hex}"
 
     def body(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
-        bodies = [{"index": choice.index, "message": {"role": "assistant", "content": choice.text}, "logprobs": None,
-                   "finish_reason": choice.finish_reason} for choice in choices]
+        bodies = [{"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                   "logprobs": choice.logprobs, "finish_reason": choice.finish_reason} for choice in choices]
         return self._envelope("chat.completion", bodies, usage=usage.body())
 
-    def chunk(self, index: int, text: str, first: bool, with_usage: bool) -> dict[str, Any]:
+    def chunk(self, index: int, text: str, first: bool, with_usage: bool,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice], **_null_usage(with_usage))
 
     def finish_chunk(self, index: int, finish_reason: str, with_usage: bool) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pt2serve.runtime.logprobs import MAX_TOP_LOGPROBS
 from pt2serve.runtime.sampling import MAX_TEMPERATURE
 from pt2serve.serve.errors import ApiError, bad_request
 
@@ -109,6 +110,8 @@ class GenerationRequest:
     session_id: str | None
     ignore_eos: bool
     n: int
+    logprobs: int | None = None  # each generated token's log probability, with this many alternatives
+    echo: bool = False  # completions: the prompt's text (and its logprobs, with logprobs) before the completion
 
     @property
     def num_choices(self) -> int:
@@ -118,32 +121,38 @@ class GenerationRequest:
 def parse_completion(data: Any) -> GenerationRequest:
     body = _validate(_CompletionBody, data)
     _refuse_unsupported(body)
-    if body.echo:
-        raise _unsupported("echo")
     if body.best_of not in (None, 1) and body.best_of != body.n:
         raise _unsupported("best_of", "best_of must equal n (every sampled choice is returned)")
     if body.suffix:
         raise _unsupported("suffix")
-    if body.logprobs is not None:
-        raise _unsupported("logprobs")
+    logprobs = body.logprobs
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise bad_request(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the number of alternatives "
+                          "to each token)", "logprobs", "invalid_value")
     prompts = _prompts(body.prompt)
     if len(prompts) * (body.n or 1) > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices in one "
                           "request", "n", "too_many_choices")
-    return _request(body, prompts=prompts, max_tokens=body.max_tokens)
+    return _request(body, prompts=prompts, max_tokens=body.max_tokens, logprobs=logprobs, echo=bool(body.echo))
 
 
 def parse_chat(data: Any) -> GenerationRequest:
     body = _validate(_ChatBody, data)
     _refuse_unsupported(body)
-    if body.logprobs not in (None, False) or body.top_logprobs:
-        raise _unsupported("logprobs")
+    if body.logprobs is not None and not isinstance(body.logprobs, bool):
+        raise bad_request("logprobs must be true or false", "logprobs", "invalid_value")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs", "invalid_value")
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.tools:
         raise _unsupported("tools")
     if body.tool_choice not in (None, "none"):
         raise _unsupported("tool_choice", "tool_choice needs tools, which this server does not support")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _request(body, messages=_messages(body.messages), max_tokens=max_tokens)
+    return _request(body, messages=_messages(body.messages), max_tokens=max_tokens, logprobs=logprobs)
 
 
 def _validate(model: type[BaseModel], data: Any) -> Any:
@@ -183,7 +192,8 @@ def _unsupported(param: str, message: str | None = None) -> ApiError:
     return bad_request(message or f"{param} is not supported by this server", param, "unsupported_parameter")
 
 
-def _request(body: _Common, *, max_tokens: int | None, prompts=None, messages=None) -> GenerationRequest:
+def _request(body: _Common, *, max_tokens: int | None, prompts=None, messages=None, logprobs: int | None = None,
+             echo: bool = False) -> GenerationRequest:
     options = body.stream_options
     if options is not None and not body.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options", "invalid_value")
@@ -203,6 +213,8 @@ def _request(body: _Common, *, max_tokens: int | None, prompts=None, messages=No
         session_id=body.session_id,
         ignore_eos=bool(body.ignore_eos),
         n=body.n or 1,
+        logprobs=logprobs,
+        echo=echo,
     )
 
 
