@@ -4,6 +4,10 @@ Callers on any thread `submit()` requests and read events from the returned hand
 a callback, e.g. into an asyncio loop). Everything that touches the scheduler, cells or device runs on
 the engine thread; other threads only enqueue commands.
 
+A request may name a `parent` with the same prompt (the choices of an `n > 1` request): it is held until
+the parent's prompt is computed (scheduled: stream order puts its K/V writes first), then starts from the
+parent's cells for all its prompt but the last token, which it computes itself for its own first sample.
+
 One step stays in flight: the engine plans and launches step n+1, then waits for step n's ids and commits
 them (detokenizes, checks stop strings, delivers events) while step n+1 runs on the device. The device
 never waits for the host's per-step work; sampled ids are read one step late, so a request that stops at
@@ -187,6 +191,7 @@ class Runner:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._live: dict[int, _Live] = {}
+        self._held: dict[int, tuple[int, Request]] = {}  # request id -> (parent id, request) until it forks
         self._num_active = 0
         self._active_lock = threading.Lock()
         self._stopping = False
@@ -217,11 +222,15 @@ class Runner:
         on_event: Callable[[StreamEvent], None] | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        parent: RequestHandle | None = None,
     ) -> RequestHandle:
         """Queue a request; raises Pt2ServeError for a request that can never run.
 
-        `logprobs` / `prompt_logprobs`: score each sampled / prompt token, with that many alternatives."""
+        `logprobs` / `prompt_logprobs`: score each sampled / prompt token, with that many alternatives.
+        `parent`: a request submitted before with the same prompt, whose prompt cells this one shares."""
         prompt_ids = self._prompt_ids(prompt)
+        if parent is not None and parent.prompt_ids != prompt_ids:
+            raise Pt2ServeError("a request shares its parent's cells only with the parent's prompt")
         if max_new_tokens < 1:
             raise Pt2ServeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         for name, top in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
@@ -245,7 +254,7 @@ class Runner:
             if self._stopping:
                 raise Pt2ServeError("the runner is shut down")
             self._num_active += 1
-        self._inbox.put(("submit", handle, spec))
+        self._inbox.put(("submit", handle, spec, parent.id if parent is not None else None))
         self._wakeup.set()
         return handle
 
@@ -290,7 +299,7 @@ class Runner:
                     self._complete(in_flight)
                 self._shutdown()
                 return
-            launched = self._launch_next() if self.scheduler.has_work() else None
+            launched = self._launch_next() if self.scheduler.has_work() or self._held else None
             if in_flight is not None:
                 self._complete(in_flight)  # while `launched` runs on the device
             elif launched is None:
@@ -308,22 +317,38 @@ class Runner:
             except queue.Empty:
                 return
             if command[0] == "submit":
-                _, handle, spec = command
-                self._start(handle, spec)
+                _, handle, spec, parent_id = command
+                self._start(handle, spec, parent_id)
             else:
                 self._finish(command[1], FinishReason.CANCELLED)
 
-    def _start(self, handle: RequestHandle, spec: RequestSpec) -> None:
+    def _start(self, handle: RequestHandle, spec: RequestSpec, parent_id: int | None) -> None:
         request = Request(handle.id, spec, list(spec.prompt_ids), RequestRandom(spec.sampling.seed))
         request.stats = handle.stats
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
         self._live[handle.id] = _Live(handle, decoder, StopStringMatcher(spec.stop_strings),
                                       prompt_logprobs={} if spec.prompt_logprobs is not None else None)
-        self.scheduler.add(request)
+        if parent_id is not None and parent_id in self._live:
+            self._held[handle.id] = (parent_id, request)
+        else:
+            self.scheduler.add(request)
+
+    def _fork_held(self) -> None:
+        """Start the held requests whose parent's prompt is computed (or whose parent is gone)."""
+        for request_id, (parent_id, request) in list(self._held.items()):
+            parent = self.scheduler.requests.get(parent_id)
+            if parent is None:
+                del self._held[request_id]
+                self.scheduler.add(request)  # it computes its prompt itself
+            elif parent.num_computed >= parent.num_prompt:
+                del self._held[request_id]
+                self.scheduler.fork(request, parent)
 
     def _launch_next(self) -> _InFlight | None:
         """Plan the next step and queue it on the device; None when nothing could be scheduled."""
         plan = self.scheduler.plan()
+        if self._held:
+            self._fork_held()
         if not plan.chunks:
             return None
         started = time.perf_counter()
@@ -399,7 +424,7 @@ class Runner:
         return live.stops.feed(text, is_final)
 
     def _finish(self, request_id: int, reason: FinishReason, error: str | None = None) -> None:
-        if self.scheduler.finish(request_id, reason) is not None:
+        if self._held.pop(request_id, None) is not None or self.scheduler.finish(request_id, reason) is not None:
             self._emit_final(request_id, reason, error)
 
     def _emit_final(self, request_id: int, reason: FinishReason, error: str | None) -> None:

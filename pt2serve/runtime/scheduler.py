@@ -216,6 +216,18 @@ class Scheduler:
         request.cells = CellTable(session.cells[:keep])
         return keep
 
+    def fork(self, request: Request, parent: Request) -> None:
+        """Queue `request`, whose prompt is `parent`'s, on shared copies of the parent's cells for all of that
+        prompt but its last token (computed again: its logits give this request's own first token). The
+        parent's prompt must be scheduled; stream order puts those K/V writes before any step of this one."""
+        assert request.spec.prompt_ids == parent.spec.prompt_ids and parent.num_computed >= parent.num_prompt
+        shared = parent.cells.cells[: parent.num_prompt - 1].copy()
+        self.allocator.share(shared)
+        request.cells = CellTable(shared)
+        request.num_computed = len(shared)
+        request.stats.reused_tokens = len(shared)
+        self.add(request)
+
     def _unadmit(self, request: Request) -> None:
         self._running.remove(request.id)
         self._waiting.appendleft(request.id)

@@ -52,11 +52,13 @@ async def handle(request: Request, state: ServerState, chat: bool) -> Response:
     generations = []
     try:
         for prompt_index, (ids, limit) in enumerate(zip(prompts, max_tokens)):
+            first = None  # the prompt's first choice computes it (and scores it); the others share its cells
             for params in sampling:
-                generation = Generation(runner, state.metrics, arrived, prompt_index)
+                generation = Generation(runner, state.metrics, arrived, prompt_index, first)
                 generations.append(generation)
                 generation.start(ids, limit, params, req.stop, req.stop_token_ids, session_id, req.ignore_eos,
-                                 req.logprobs, prompt_logprobs)
+                                 req.logprobs, prompt_logprobs if first is None else None)
+                first = first or generation
     except Pt2ServeError as err:
         for generation in generations:
             generation.cancel()
@@ -110,9 +112,10 @@ class Rendering:
         """`entries` (of `tokens`) in the endpoint's shape; with `echo`, after the prompt's when it was scored."""
         if self.chat:
             return chat_logprobs(self.texts, entries)
-        if echo and generation.prompt_logprobs is not None:
+        scored = (generation.shares_prompt_of or generation).prompt_logprobs
+        if echo and scored is not None:
             prompt = self.prompts[generation.prompt_index]
-            return completion_logprobs(self.texts, [None, *generation.prompt_logprobs, *entries],
+            return completion_logprobs(self.texts, [None, *scored, *entries],
                                        [*prompt, *tokens], text_offset)
         return completion_logprobs(self.texts, list(entries), list(tokens), text_offset)
 

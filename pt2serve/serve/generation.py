@@ -23,8 +23,10 @@ log = logging.getLogger("pt2serve.serve")
 
 
 class Generation:
-    def __init__(self, runner: Runner, metrics: ServerMetrics, arrived: float, prompt_index: int = 0) -> None:
+    def __init__(self, runner: Runner, metrics: ServerMetrics, arrived: float, prompt_index: int = 0,
+                 shares_prompt_of: Generation | None = None) -> None:
         self.prompt_index = prompt_index  # which prompt of its request it answers
+        self.shares_prompt_of = shares_prompt_of  # another choice of the same prompt: its cells are shared
         self._runner = runner
         self._metrics = metrics
         self._loop = asyncio.get_running_loop()
@@ -50,6 +52,7 @@ class Generation:
             prompt_ids, max_new_tokens=max_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
             stop_strings=stop, session_id=session_id, ignore_eos=ignore_eos, on_event=self._from_engine,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            parent=self.shares_prompt_of.handle if self.shares_prompt_of is not None else None,
         )
 
     @property

@@ -182,8 +182,6 @@ def _refuse_unsupported(body: _Common) -> None:
         raise _unsupported("repetition_penalty")
     if body.logit_bias:
         raise _unsupported("logit_bias")
-    if body.n not in (None, 1):
-        raise _unsupported("n", f"only n=1 is supported, got n={body.n}")
     if body.response_format is not None and body.response_format != {"type": "text"}:
         raise _unsupported("response_format")
 
