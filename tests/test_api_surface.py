@@ -89,13 +89,13 @@ def test_head_answers_like_get_without_a_body(toy_server, path):
 
 def test_refusals_are_logged_with_their_reason_and_unknown_fields_are_named(toy_server, caplog):
     with caplog.at_level(logging.INFO, logger="pt2serve.serve"):
-        refused = httpx.post(f"{toy_server}{COMPLETIONS}", json={"prompt": "x", "logit_bias": {"5": 3}})
+        refused = httpx.post(f"{toy_server}{COMPLETIONS}", json={"prompt": "x", "min_p": 0.2})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_parameter"
         # A field with no effect on the output is accepted; one nobody knows is ignored, and said so.
         done = httpx.post(f"{toy_server}{COMPLETIONS}", json={"prompt": "x", "max_tokens": 2, "user": "me",
                                                                "my_extension": 1})
         assert done.status_code == 200, done.text
     messages = [r.getMessage() for r in caplog.records]
-    assert any("400 unsupported_parameter (param logit_bias)" in m for m in messages), messages
+    assert any("400 unsupported_parameter (param min_p)" in m for m in messages), messages
     assert any("ignoring unknown request fields: my_extension" in m for m in messages), messages
     assert not any("user" in m for m in messages if "ignoring" in m)

@@ -67,6 +67,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
             progress.update()
     weights = model_weights(model)
     metadata = build_metadata(options, config.to_dict(), max_context, specs, internal, weights, tokenizer)
+    metadata["generation_defaults"] = loaded.generation_defaults
     metadata["built_with"]["libstdcxx_mismatch"] = mismatch
     metadata["quantization"] = describe_quantization(model, loaded.quantization_method)
     write_package(options.output, aoti_files, weights, metadata, tokenizer.tokenizer_json if tokenizer else None)

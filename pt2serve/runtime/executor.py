@@ -25,6 +25,7 @@ from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import Artifact
 from pt2serve.runtime.cells import CellAllocator, allocate_kv_pools, cells_that_fit, check_pool_fits
 from pt2serve.runtime.graphs import capture_all
+from pt2serve.runtime.logits import LogitsProcessor
 from pt2serve.runtime.logprobs import ScoredRows, TokenLogprob, score
 from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, regions, slice_step
 
@@ -149,6 +150,7 @@ class Executor:
             )
         self.pools = [*k_pools, *v_pools]
         self.allocator = CellAllocator(num_cells)
+        self.logits_processor = LogitsProcessor(meta.vocab_size, self.device, self._to_device)
         self._previous_ids: torch.Tensor | None = None
         self._previous_rows: dict[int, int] = {}
         free_before = _free_device_bytes(self.device)
@@ -280,16 +282,20 @@ class Executor:
         """Sampled ids [rows], on the device."""
         # A compiled method reads its inputs with the strides it was traced with (contiguous), but a
         # forward's logits may come back with padded rows (seen on the GPU: 258 -> 260 floats in fp32).
+        logits, slots = self.logits_processor.apply(logits, chunks)
         logits = logits.contiguous()
         params = [c.sampling for c in chunks]
         if all(p.is_greedy for p in params):
-            return self.artifact.run(SAMPLE_ARGMAX, [logits])[0]
-        floats = self._to_device(np.array(
-            [[p.temperature for p in params], [p.top_p for p in params], [c.uniform for c in chunks]],
-            dtype=np.float32,
-        ))
-        top_k = self._to_device(np.array([p.top_k for p in params], dtype=np.int64))
-        return self.artifact.run(SAMPLE, [logits, floats[0], floats[1], top_k, floats[2]])[0]
+            ids = self.artifact.run(SAMPLE_ARGMAX, [logits])[0]
+        else:
+            floats = self._to_device(np.array(
+                [[p.temperature for p in params], [p.top_p for p in params], [c.uniform for c in chunks]],
+                dtype=np.float32,
+            ))
+            top_k = self._to_device(np.array([p.top_k for p in params], dtype=np.int64))
+            ids = self.artifact.run(SAMPLE, [logits, floats[0], floats[1], top_k, floats[2]])[0]
+        self.logits_processor.count(ids, chunks, slots)
+        return ids
 
 
 def _free_device_bytes(device: torch.device) -> int:

@@ -173,6 +173,8 @@ class Runner:
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_context = meta.max_context
+        # Sampling values the checkpoint's generation_config.json set, for requests that leave them out.
+        self.generation_defaults: dict[str, float] = dict(meta.raw.get("generation_defaults") or {})
         self.vocab_size = meta.vocab_size
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -448,6 +450,7 @@ class Runner:
         live = self._live[request_id]
         if event.finish_reason is not None:
             del self._live[request_id]
+            self.executor.logits_processor.release(request_id)
             with self._active_lock:
                 self._num_active -= 1
         try:

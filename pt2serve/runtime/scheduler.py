@@ -268,7 +268,9 @@ class Scheduler:
             sampling = spec.sampling if c.samples else None
             logprobs = spec.logprobs if c.samples else None
             chunks.append(Chunk(request.cells.cells, tokens, c.start, sampling, c.uniform, c.previous_sample,
-                                logprobs, _prompt_targets(request, c), spec.prompt_logprobs or 0))
+                                logprobs, _prompt_targets(request, c), spec.prompt_logprobs or 0, request.id,
+                                _banned(request) if c.samples else (),
+                                spec.prompt_ids if c.samples and spec.sampling.has_penalties else ()))
         return chunks
 
     def commit(self, plan: StepPlan, tokens: tuple[int | None, ...]) -> list[TokenEvent]:
@@ -343,6 +345,15 @@ class Scheduler:
         held += self.sessions.held_cells() + self.prefix_cache.held_cells()
         owned = len(np.unique(np.concatenate(held))) if held else 0
         return self.allocator.num_used - owned
+
+
+def _banned(request: Request) -> tuple[int, ...]:
+    """The tokens its sample may not be (its stop tokens, while it has fewer than min_tokens)."""
+    spec = request.spec
+    sample_index = request.num_sampled - 1  # this sample is counted already
+    if sample_index >= spec.sampling.min_tokens:
+        return ()
+    return tuple(sorted(spec.stop_token_ids))
 
 
 def _prompt_targets(request: Request, chunk: ScheduledChunk) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ write the scratch cell and see only it, so they never touch real cells and never
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -53,6 +53,9 @@ class Chunk:
     Log probabilities (see logprobs.py): `logprobs` (a number of alternatives) scores the sampled token;
     `prompt_targets` are the tokens that follow the chunk's first len(prompt_targets) tokens, each of which
     is scored with `prompt_logprobs` alternatives.
+
+    Logits controls (see logits.py): `banned` tokens cannot be sampled (min_tokens); a request with penalties
+    keeps token counts on the device under `request_id`, set up from `penalty_prompt` at its first sample.
     """
 
     cells: np.ndarray  # the sequence's cells for positions 0 .. start + len(tokens) - 1
@@ -64,6 +67,9 @@ class Chunk:
     logprobs: int | None = None
     prompt_targets: tuple[int, ...] = ()
     prompt_logprobs: int = 0
+    request_id: int | None = None
+    banned: tuple[int, ...] = ()
+    penalty_prompt: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -108,9 +114,9 @@ def slice_step(chunks: list[Chunk], max_tokens: int) -> list[list[tuple[int, Chu
             take = min(room, len(tokens))
             is_last = take == len(tokens)
             end = start + take
-            part = Chunk(chunk.cells[:end], tokens[:take], start,
-                         chunk.sampling if is_last else None, chunk.uniform, chunk.previous_sample,
-                         chunk.logprobs if is_last else None, targets[:take], chunk.prompt_logprobs)
+            part = replace(chunk, cells=chunk.cells[:end], tokens=tokens[:take], start=start,
+                           sampling=chunk.sampling if is_last else None, logprobs=chunk.logprobs if is_last else None,
+                           prompt_targets=targets[:take])
             pieces[-1].append((index, part))
             tokens, targets, start, room = tokens[take:], targets[take:], end, room - take
     return [piece for piece in pieces if piece]

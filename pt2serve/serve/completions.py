@@ -40,13 +40,10 @@ async def handle(request: Request, state: ServerState, chat: bool) -> Response:
         raise bad_request("a session continues one conversation: send one prompt with n=1", "session_id",
                           "invalid_value")
     _check_token_ids(runner, req.stop_token_ids, "stop_token_ids")
+    _check_token_ids(runner, [token for token, _ in req.logit_bias], "logit_bias")
     prompts = await run_in_threadpool(_prompt_ids, runner, req)
     max_tokens = [_max_tokens(runner, config, req, len(ids)) for ids in prompts]
-    try:
-        sampling = [SamplingParams(req.temperature, req.top_p, req.top_k, _choice_seed(req.seed, j))
-                    for j in range(req.n)]
-    except Pt2ServeError as err:
-        raise bad_request(str(err)) from None
+    sampling = [_sampling(runner, req, _choice_seed(req.seed, j)) for j in range(req.n)]
     prompt_logprobs = req.logprobs if req.echo else None
     state.check_admission(runner, req.num_choices)
     generations = []
@@ -134,6 +131,26 @@ class Rendering:
             logprobs = self.logprobs_of(generation, [event.logprob], [event.token_id], False, text_offset)
         chunks.append(self.fmt.chunk(index, event.text, first, include_usage, logprobs))
         return chunks, text_offset + len(event.text)
+
+
+def _sampling(runner: Runner, req: GenerationRequest, seed: int | None) -> SamplingParams:
+    """The request's sampling controls; what it leaves out comes from the model's generation_config.json,
+    else OpenAI's defaults."""
+    defaults = runner.generation_defaults
+
+    def pick(value, name: str, default):
+        return value if value is not None else defaults.get(name, default)
+
+    try:
+        return SamplingParams(
+            temperature=pick(req.temperature, "temperature", 1.0), top_p=pick(req.top_p, "top_p", 1.0),
+            top_k=int(pick(req.top_k, "top_k", 0)), seed=seed, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
+            logit_bias=req.logit_bias, min_tokens=req.min_tokens,
+        )
+    except Pt2ServeError as err:
+        raise bad_request(str(err), code="invalid_value") from None
 
 
 def _choice_seed(seed: int | None, choice: int) -> int | None:

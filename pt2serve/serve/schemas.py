@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pt2serve.runtime.logprobs import MAX_TOP_LOGPROBS
-from pt2serve.runtime.sampling import MAX_TEMPERATURE
+from pt2serve.runtime.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_TEMPERATURE
 from pt2serve.serve.errors import ApiError, bad_request
 
 log = logging.getLogger("pt2serve.serve")
@@ -99,9 +99,9 @@ class GenerationRequest:
     prompts: list[str | list[int]] | None  # completions: one choice (or n) per prompt
     messages: list[dict[str, Any]] | None
     max_tokens: int | None  # None: the server's default
-    temperature: float
-    top_p: float
-    top_k: int
+    temperature: float | None  # None (and top_p, top_k, repetition_penalty): the model's default
+    top_p: float | None
+    top_k: int | None
     seed: int | None
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]  # end the request when one is generated (its text is kept)
@@ -110,6 +110,11 @@ class GenerationRequest:
     session_id: str | None
     ignore_eos: bool
     n: int
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
     logprobs: int | None = None  # each generated token's log probability, with this many alternatives
     echo: bool = False  # completions: the prompt's text (and its logprobs, with logprobs) before the completion
 
@@ -175,13 +180,6 @@ def _validate(model: type[BaseModel], data: Any) -> Any:
 
 
 def _refuse_unsupported(body: _Common) -> None:
-    for name in ("presence_penalty", "frequency_penalty", "min_tokens"):
-        if getattr(body, name):
-            raise _unsupported(name)
-    if body.repetition_penalty not in (None, 1.0):
-        raise _unsupported("repetition_penalty")
-    if body.logit_bias:
-        raise _unsupported("logit_bias")
     if body.response_format is not None and body.response_format != {"type": "text"}:
         raise _unsupported("response_format")
 
@@ -200,9 +198,9 @@ def _request(body: _Common, *, max_tokens: int | None, prompts=None, messages=No
         prompts=prompts,
         messages=messages,
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
         seed=body.seed,
         stop=_stop(body.stop),
         stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -211,9 +209,32 @@ def _request(body: _Common, *, max_tokens: int | None, prompts=None, messages=No
         session_id=body.session_id,
         ignore_eos=bool(body.ignore_eos),
         n=body.n or 1,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias),
+        min_tokens=body.min_tokens or 0,
         logprobs=logprobs,
         echo=echo,
     )
+
+
+def _logit_bias(value: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} as (id, bias) pairs; ids are checked against the vocabulary later."""
+    if not value:
+        return ()
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}",
+                          "logit_bias", "invalid_value")
+    pairs = []
+    for key, bias in value.items():
+        if not key.lstrip("-").isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias", "invalid_value")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
+                              f"{bias!r} for token {key}", "logit_bias", "invalid_value")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def _prompts(value: Any) -> list[str | list[int]]:
