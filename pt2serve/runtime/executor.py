@@ -8,6 +8,10 @@ from pinned memory, sampled ids come down into pinned memory behind an event); `
 waits for the ids. So a caller can plan and launch step n+1 while step n runs. A decode whose token is
 step n's sample for its sequence names that sample (Chunk.previous_sample) and the executor copies the
 id into step n+1's inputs on the device, in stream order.
+
+A step that samples for a grammar-constrained chunk (Chunk.grammar) returns a DeferredSampling after its
+forward: its caller reads the previous step's ids meanwhile, fills the token masks, and then queues the
+sampling (see grammar.py).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -24,6 +28,7 @@ from pt2serve.contract import SAMPLE, SAMPLE_ARGMAX
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import Artifact
 from pt2serve.runtime.cells import CellAllocator, allocate_kv_pools, cells_that_fit, check_pool_fits
+from pt2serve.runtime.grammar import apply_masks, bitmask_words
 from pt2serve.runtime.graphs import capture_all
 from pt2serve.runtime.logits import LogitsProcessor
 from pt2serve.runtime.logprobs import ScoredRows, TokenLogprob, score
@@ -125,6 +130,45 @@ def _rows(block: ScoredRows | _ScoredPrompt) -> ScoredRows:
 
 
 @dataclass(frozen=True)
+class _Forwarded:
+    """A step whose forwards are queued: the sampled rows' logits per call, still on the device."""
+
+    chunks: list[Chunk]
+    calls: tuple[CallRecord, ...]
+    to_sample: list[tuple[torch.Tensor, tuple[int, ...], list[Chunk]]]  # (logits, chunk indices, chunks) per call
+    scored: list[_ScoredPrompt]
+    started: torch.cuda.Event | None
+
+
+class DeferredSampling:
+    """A launched step with grammar-constrained rows: its forward is queued, its sampling waits for masks.
+
+    Nothing else may run on the executor before sample(): the logits live in the forward's output buffer.
+    """
+
+    def __init__(self, executor: "Executor", step: _Forwarded) -> None:
+        self._executor = executor
+        self._step = step
+
+    def sample(self, fill: Callable[[int, torch.Tensor, int], None]) -> PendingStep:
+        """Queue the sampling; fill(chunk index, bitmask, row) writes each constrained row's allowed tokens
+        into a pinned int32 bitmask whose rows start all-allowed. It goes up without waiting."""
+        executor = self._executor
+        num_rows = sum(len(rows) for _, _, rows in self._step.to_sample)
+        pinned = executor.device.type == "cuda"
+        bitmask = torch.full((num_rows, bitmask_words(executor.artifact.metadata.vocab_size)), -1,
+                             dtype=torch.int32, pin_memory=pinned)
+        row = 0
+        for _, indices, rows in self._step.to_sample:
+            for index, chunk in zip(indices, rows):
+                if chunk.grammar:
+                    fill(index, bitmask, row)
+                row += 1
+        device_mask = bitmask.to(executor.device, non_blocking=True) if pinned else bitmask
+        return executor._sample_step(self._step, device_mask)
+
+
+@dataclass(frozen=True)
 class MemoryReport:
     weight_bytes: int
     pool_bytes: int
@@ -206,31 +250,42 @@ class Executor:
         """Run one step and wait for it; the chunks' cells must already be allocated (K/V are written here)."""
         return self.launch(chunks).result()
 
-    def launch(self, chunks: list[Chunk]) -> PendingStep:
-        """Queue one step's device work; returns before it runs (on the CPU, after it ran)."""
+    def launch(self, chunks: list[Chunk]) -> PendingStep | DeferredSampling:
+        """Queue one step's device work; returns before it runs (on the CPU, after it ran). A step that samples
+        for a grammar-constrained chunk returns after its forward: its sampling waits for the token masks."""
         started = None
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        outputs, sampled, calls, scored = [], [], [], []
+        to_sample, calls, scored = [], [], []
         for piece, call in self.method_calls(chunks):
             logits = self._forward(call)
             by_index = dict(piece)
             num_sampled = len(call.sampled_chunks)
             if num_sampled:
-                rows = [by_index[i] for i in call.sampled_chunks]
-                ids = self._sample(logits[:num_sampled], rows)
-                outputs.append(ids)
-                sampled.extend(call.sampled_chunks)
-                scored += self._score_sampled(logits[:num_sampled], ids, call.sampled_chunks, rows)
+                to_sample.append((logits[:num_sampled], call.sampled_chunks, [by_index[i] for i in call.sampled_chunks]))
             if call.prompt_rows:
                 scored.append(self._score_prompt(logits[num_sampled:], call, by_index))
             calls.append(CallRecord(call.method, call.num_tokens))
+        step = _Forwarded(chunks, tuple(calls), to_sample, scored, started)
+        if any(chunk.grammar for _, _, rows in to_sample for chunk in rows):
+            return DeferredSampling(self, step)
+        return self._sample_step(step, None)
+
+    def _sample_step(self, step: _Forwarded, bitmask: torch.Tensor | None) -> PendingStep:
+        """Queue the sampling of a forwarded step (`bitmask`: allowed tokens per sampled row, or None)."""
+        outputs, sampled, scored = [], [], list(step.scored)
+        for logits, indices, rows in step.to_sample:
+            mask, bitmask = (bitmask[: len(rows)], bitmask[len(rows):]) if bitmask is not None else (None, None)
+            ids = self._sample(logits, rows, mask)
+            outputs.append(ids)
+            sampled.extend(indices)
+            scored += self._score_sampled(logits, ids, indices, rows)
         ids = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)) if outputs else None
         # What a placeholder in the next step reads: this step's ids, by chunk index.
         self._previous_ids = ids
         self._previous_rows = {chunk: row for row, chunk in enumerate(sampled)}
-        return PendingStep(chunks, tuple(calls), sampled, ids, started, scored)
+        return PendingStep(step.chunks, step.calls, sampled, ids, step.started, scored)
 
     def _score_sampled(self, logits: torch.Tensor, ids: torch.Tensor, indices: tuple[int, ...],
                        rows: list[Chunk]) -> list[ScoredRows]:
@@ -278,12 +333,16 @@ class Executor:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
-        """Sampled ids [rows], on the device."""
+    def _sample(self, logits: torch.Tensor, chunks: list[Chunk], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Sampled ids [rows], on the device; `mask` (a bitmask per row, on the device) bans tokens."""
+        processed, slots = self.logits_processor.apply(logits, chunks)
+        if mask is not None:
+            if processed is logits:  # the raw logits stay as they are: log probabilities are read from them
+                processed = logits.clone()
+            apply_masks(processed, mask)
         # A compiled method reads its inputs with the strides it was traced with (contiguous), but a
         # forward's logits may come back with padded rows (seen on the GPU: 258 -> 260 floats in fp32).
-        logits, slots = self.logits_processor.apply(logits, chunks)
-        logits = logits.contiguous()
+        logits = processed.contiguous()
         params = [c.sampling for c in chunks]
         if all(p.is_greedy for p in params):
             ids = self.artifact.run(SAMPLE_ARGMAX, [logits])[0]

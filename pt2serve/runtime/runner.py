@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pt2serve.errors import Pt2ServeError
-from pt2serve.runtime.executor import CallRecord, Executor, PendingStep, StepResult
+from pt2serve.runtime.executor import CallRecord, DeferredSampling, Executor, PendingStep, StepResult
+from pt2serve.runtime.grammar import GrammarCompiler, GrammarSpec, Matcher
 from pt2serve.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec, RequestStats
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
@@ -85,7 +86,7 @@ class StepRecord:
 @dataclass(frozen=True)
 class _InFlight:
     plan: StepPlan
-    pending: PendingStep
+    pending: PendingStep | DeferredSampling
     launched: float  # perf_counter at launch
 
 
@@ -164,6 +165,7 @@ class _Live:
     emitted_text: list[str] = field(default_factory=list)
     # Scored prompt positions (a recomputed prompt scores them again, to the same values), until the first token.
     prompt_logprobs: dict[int, TokenLogprob] | None = None
+    matcher: Matcher | None = None  # the request's place in its grammar, fed every committed token
 
 
 class Runner:
@@ -173,6 +175,9 @@ class Runner:
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_context = meta.max_context
+        self.grammars = GrammarCompiler(
+            tokenizer.files.tokenizer_json if tokenizer is not None else None, meta.vocab_size,
+            tokenizer.eos_token_ids if tokenizer is not None else ())
         # Sampling values the checkpoint's generation_config.json set, for requests that leave them out.
         self.generation_defaults: dict[str, float] = dict(meta.raw.get("generation_defaults") or {})
         self.vocab_size = meta.vocab_size
@@ -225,11 +230,13 @@ class Runner:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         parent: RequestHandle | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> RequestHandle:
         """Queue a request; raises Pt2ServeError for a request that can never run.
 
         `logprobs` / `prompt_logprobs`: score each sampled / prompt token, with that many alternatives.
-        `parent`: a request submitted before with the same prompt, whose prompt cells this one shares."""
+        `parent`: a request submitted before with the same prompt, whose prompt cells this one shares.
+        `grammar`: what the output must match (compiled here, on the caller's thread)."""
         prompt_ids = self._prompt_ids(prompt)
         if parent is not None and parent.prompt_ids != prompt_ids:
             raise Pt2ServeError("a request shares its parent's cells only with the parent's prompt")
@@ -249,8 +256,9 @@ class Runner:
         stops = set(stop_token_ids)
         if self.tokenizer is not None and not ignore_eos:
             stops.update(self.tokenizer.eos_token_ids)
+        compiled = self.grammars.compile(grammar) if grammar is not None else None
         spec = RequestSpec(tuple(prompt_ids), max_new_tokens, sampling, frozenset(stops), tuple(stop_strings),
-                           session_id, ignore_eos, logprobs, prompt_logprobs)
+                           session_id, ignore_eos, logprobs, prompt_logprobs, compiled)
         handle = RequestHandle(next(self._ids), prompt_ids, on_event)
         with self._active_lock:
             if self._stopping:
@@ -304,6 +312,8 @@ class Runner:
             launched = self._launch_next() if self.scheduler.has_work() or self._held else None
             if in_flight is not None:
                 self._complete(in_flight)  # while `launched` runs on the device
+            if launched is not None and isinstance(launched.pending, DeferredSampling):
+                launched = self._sample_constrained(launched)  # its masks follow the ids just committed
             elif launched is None:
                 if self.scheduler.has_work():
                     time.sleep(0.001)  # nothing fits now (pool full of in-flight work); let commands arrive
@@ -329,7 +339,8 @@ class Runner:
         request.stats = handle.stats
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
         self._live[handle.id] = _Live(handle, decoder, StopStringMatcher(spec.stop_strings),
-                                      prompt_logprobs={} if spec.prompt_logprobs is not None else None)
+                                      prompt_logprobs={} if spec.prompt_logprobs is not None else None,
+                                      matcher=Matcher(spec.grammar) if spec.grammar is not None else None)
         if parent_id is not None and parent_id in self._live:
             self._held[handle.id] = (parent_id, request)
         else:
@@ -360,6 +371,23 @@ class Runner:
             self._fail_step(plan, err)
             return None
         return _InFlight(plan, pending, started)
+
+    def _sample_constrained(self, step: _InFlight) -> _InFlight | None:
+        """Queue the sampling of a step with grammar-constrained rows, each masked by its matcher as it stands
+        after every token committed so far (which is every token before this sample)."""
+        chunks = step.plan.chunks
+
+        def fill(index: int, bitmask, row: int) -> None:
+            live = self._live.get(chunks[index].request_id)
+            if live is not None and live.matcher is not None:
+                live.matcher.fill_row(bitmask, row)
+
+        try:
+            pending = step.pending.sample(fill)
+        except Exception as err:
+            self._fail_step(step.plan, err)
+            return None
+        return _InFlight(step.plan, pending, step.launched)
 
     def _complete(self, step: _InFlight) -> None:
         """Wait for a launched step's ids, record it and commit them."""
@@ -398,6 +426,13 @@ class Runner:
     def _on_token(self, request_id: int, token: int, finish_reason: FinishReason | None,
                   logprob: TokenLogprob | None = None) -> None:
         live = self._live[request_id]
+        if live.matcher is not None:
+            if not live.matcher.accept_token(token):
+                self._fail_request(request_id, token, f"token {token} does not follow the request's grammar")
+                return
+            if live.matcher.is_terminated() and finish_reason is None:  # the output is complete
+                self.scheduler.finish(request_id, FinishReason.STOP)
+                finish_reason = FinishReason.STOP
         try:
             text, hit_stop = self._text(live, token, is_final=finish_reason is not None)
         except Exception as err:  # a failing tokenizer fails its own request, not the engine

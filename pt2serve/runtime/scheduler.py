@@ -270,7 +270,8 @@ class Scheduler:
             chunks.append(Chunk(request.cells.cells, tokens, c.start, sampling, c.uniform, c.previous_sample,
                                 logprobs, _prompt_targets(request, c), spec.prompt_logprobs or 0, request.id,
                                 _banned(request) if c.samples else (),
-                                spec.prompt_ids if c.samples and spec.sampling.has_penalties else ()))
+                                spec.prompt_ids if c.samples and spec.sampling.has_penalties else (),
+                                c.samples and spec.grammar is not None))
         return chunks
 
     def commit(self, plan: StepPlan, tokens: tuple[int | None, ...]) -> list[TokenEvent]:

@@ -56,6 +56,7 @@ class Chunk:
 
     Logits controls (see logits.py): `banned` tokens cannot be sampled (min_tokens); a request with penalties
     keeps token counts on the device under `request_id`, set up from `penalty_prompt` at its first sample.
+    `grammar`: the sample is constrained by a grammar; its mask comes after the forward (grammar.py).
     """
 
     cells: np.ndarray  # the sequence's cells for positions 0 .. start + len(tokens) - 1
@@ -70,6 +71,7 @@ class Chunk:
     request_id: int | None = None
     banned: tuple[int, ...] = ()
     penalty_prompt: tuple[int, ...] = ()
+    grammar: bool = False
 
     @property
     def end(self) -> int:
