@@ -95,3 +95,48 @@ def test_masks_change_what_is_sampled(runner, monkeypatch):
     unmasked = [runner.generate([256, 5], max_new_tokens=5, sampling=SamplingParams(temperature=1.0, seed=s),
                                 grammar=spec) for s in range(3)]
     assert any(d.finish_reason is FinishReason.ERROR for d in unmasked)  # a token the grammar refuses
+
+
+# -- through the HTTP API ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(runner):
+    openai = pytest.importorskip("openai")
+    from pt2serve.serve.app import create_app
+    from pt2serve.serve.config import ServerConfig
+    from servers import ServerThread
+
+    thread = ServerThread(create_app(ServerConfig(model_name="tiny"), runner)).start()
+    with openai.OpenAI(base_url=f"{thread.url}/v1", api_key="x", timeout=60, max_retries=0) as client:
+        yield client
+    thread.stop()
+
+
+def test_response_format_and_guided_fields_over_http(client):
+    schema = random_schema(random.Random(7))
+    messages = [{"role": "user", "content": "JSON please"}]
+    for seed in range(3):
+        done = client.chat.completions.create(
+            model="tiny", messages=messages, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}})
+        assert done.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(done.choices[0].message.content), schema)
+        streamed = client.chat.completions.create(
+            model="tiny", messages=messages, temperature=1.0, seed=seed, stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}})
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+            done.choices[0].message.content
+    choices = ["alpha", "beta gamma", 'with "quotes"']
+    for seed in range(4):
+        picked = client.completions.create(model="tiny", prompt="pick", temperature=1.0, seed=seed,
+                                           extra_body={"guided_choice": choices})
+        assert picked.choices[0].text in choices
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    matched = client.completions.create(model="tiny", prompt="code", temperature=1.0, seed=1, n=3,
+                                        extra_body={"guided_regex": pattern})
+    assert all(re.fullmatch(pattern, c.text) for c in matched.choices)
+    obj = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                         response_format={"type": "json_object"},
+                                         extra_body={"guided_json": None})
+    assert obj.choices[0].message.content.startswith("{")

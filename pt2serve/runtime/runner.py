@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.executor import CallRecord, DeferredSampling, Executor, PendingStep, StepResult
-from pt2serve.runtime.grammar import GrammarCompiler, GrammarSpec, Matcher
+from pt2serve.runtime.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher
 from pt2serve.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec, RequestStats
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
@@ -230,13 +230,13 @@ class Runner:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         parent: RequestHandle | None = None,
-        grammar: GrammarSpec | None = None,
+        grammar: GrammarSpec | CompiledGrammar | None = None,
     ) -> RequestHandle:
         """Queue a request; raises Pt2ServeError for a request that can never run.
 
         `logprobs` / `prompt_logprobs`: score each sampled / prompt token, with that many alternatives.
         `parent`: a request submitted before with the same prompt, whose prompt cells this one shares.
-        `grammar`: what the output must match (compiled here, on the caller's thread)."""
+        `grammar`: what the output must match (a spec is compiled here, on the caller's thread)."""
         prompt_ids = self._prompt_ids(prompt)
         if parent is not None and parent.prompt_ids != prompt_ids:
             raise Pt2ServeError("a request shares its parent's cells only with the parent's prompt")
@@ -256,7 +256,7 @@ class Runner:
         stops = set(stop_token_ids)
         if self.tokenizer is not None and not ignore_eos:
             stops.update(self.tokenizer.eos_token_ids)
-        compiled = self.grammars.compile(grammar) if grammar is not None else None
+        compiled = self.grammars.compile(grammar) if isinstance(grammar, GrammarSpec) else grammar
         spec = RequestSpec(tuple(prompt_ids), max_new_tokens, sampling, frozenset(stops), tuple(stop_strings),
                            session_id, ignore_eos, logprobs, prompt_logprobs, compiled)
         handle = RequestHandle(next(self._ids), prompt_ids, on_event)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -16,9 +16,11 @@ from pt2serve.runtime.runner import Runner, StreamEvent
 from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.errors import ApiError, bad_request
+from pt2serve.runtime.grammar import CompiledGrammar, GrammarSpec
 from pt2serve.runtime.logprobs import TokenLogprob
 from pt2serve.serve.generation import Generation
 from pt2serve.serve.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
+from pt2serve.serve.tool_calls import ToolCallStream, ToolUse, template_format
 from pt2serve.serve.openai_format import FINISH_REASONS, SSE_DONE, ChatFormat, Choice, CompletionFormat, Usage, sse
 from pt2serve.serve.schemas import MAX_SESSION_ID_CHARS, GenerationRequest, parse_chat, parse_completion
 from pt2serve.serve.state import ServerState
@@ -41,25 +43,13 @@ async def handle(request: Request, state: ServerState, chat: bool) -> Response:
                           "invalid_value")
     _check_token_ids(runner, req.stop_token_ids, "stop_token_ids")
     _check_token_ids(runner, [token for token, _ in req.logit_bias], "logit_bias")
+    tool_use = _tool_use(runner, req)
     prompts = await run_in_threadpool(_prompt_ids, runner, req)
     max_tokens = [_max_tokens(runner, config, req, len(ids)) for ids in prompts]
     sampling = [_sampling(runner, req, _choice_seed(req.seed, j)) for j in range(req.n)]
-    prompt_logprobs = req.logprobs if req.echo else None
+    grammar = await run_in_threadpool(_compile_grammar, runner, req, tool_use)
     state.check_admission(runner, req.num_choices)
-    generations = []
-    try:
-        for prompt_index, (ids, limit) in enumerate(zip(prompts, max_tokens)):
-            first = None  # the prompt's first choice computes it (and scores it); the others share its cells
-            for params in sampling:
-                generation = Generation(runner, state.metrics, arrived, prompt_index, first)
-                generations.append(generation)
-                generation.start(ids, limit, params, req.stop, req.stop_token_ids, session_id, req.ignore_eos,
-                                 req.logprobs, prompt_logprobs if first is None else None)
-                first = first or generation
-    except Pt2ServeError as err:
-        for generation in generations:
-            generation.cancel()
-        raise bad_request(str(err)) from None
+    generations = _start(runner, state, req, arrived, prompts, max_tokens, sampling, session_id, grammar)
     render = Rendering(
         fmt=ChatFormat(config.model_name) if chat else CompletionFormat(config.model_name),
         texts=TokenTexts(runner.tokenizer),
@@ -67,10 +57,63 @@ async def handle(request: Request, state: ServerState, chat: bool) -> Response:
         echoed=[_echo_text(runner, p, ids) for p, ids in zip(req.prompts, prompts)] if req.echo else None,
         logprobs=req.logprobs is not None,
         token_ids=not chat and any(isinstance(prompt, list) for prompt in req.prompts),
+        tool_use=tool_use,
     )
     if req.stream:
         return EventStream(_stream(generations, render, req.include_usage), on_close=lambda: _cancel(generations))
     return await _respond(request, generations, render)
+
+
+def _start(runner: Runner, state: ServerState, req: GenerationRequest, arrived: float, prompts: list[list[int]],
+           max_tokens: list[int], sampling: list[SamplingParams], session_id: str | None,
+           grammar: CompiledGrammar | None) -> list[Generation]:
+    """Submit every choice: per prompt, its first choice computes (and with echo scores) the prompt; the
+    others share its cells."""
+    prompt_logprobs = req.logprobs if req.echo else None
+    generations = []
+    try:
+        for prompt_index, (ids, limit) in enumerate(zip(prompts, max_tokens)):
+            first = None
+            for params in sampling:
+                generation = Generation(runner, state.metrics, arrived, prompt_index, first)
+                generations.append(generation)
+                generation.start(ids, limit, params, req.stop, req.stop_token_ids, session_id, req.ignore_eos,
+                                 req.logprobs, prompt_logprobs if first is None else None, grammar)
+                first = first or generation
+    except Pt2ServeError as err:
+        _cancel(generations)
+        raise bad_request(str(err)) from None
+    return generations
+
+
+def _tool_use(runner: Runner, req: GenerationRequest) -> ToolUse | None:
+    """How the reply may call the request's tools (None: it may not); refuses what the template cannot take."""
+    if req.messages is None:
+        return None
+    family = template_format(runner.tokenizer.files.chat_template) if runner.tokenizer is not None else None
+    history = next((i for i, m in enumerate(req.messages) if m["role"] == "tool" or "tool_calls" in m), None)
+    if family is None and (req.tools or history is not None):
+        param = "tools" if req.tools else f"messages.{history}"
+        raise bad_request("this model's chat template takes no tools (or writes tool calls in a format this server "
+                          "does not read: Llama 3.x JSON or Hermes/Qwen <tool_call>)", param, "tools_unsupported")
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return ToolUse(family, req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
+def _compile_grammar(runner: Runner, req: GenerationRequest, tool_use: ToolUse | None) -> CompiledGrammar | None:
+    """The grammar the output must follow (response_format, guided_*, or a forced tool call), compiled."""
+    spec = req.grammar
+    schema = tool_use.grammar_schema() if tool_use is not None else None
+    if schema is not None:
+        spec = GrammarSpec("json_schema", schema)
+    if spec is None:
+        return None
+    try:
+        return runner.grammars.compile(spec)
+    except Pt2ServeError as err:
+        raise bad_request(str(err), "tool_choice" if schema is not None else req.grammar_param,
+                          "invalid_grammar") from None
 
 
 def _echo_text(runner: Runner, prompt: str | list[int], ids: list[int]) -> str:
@@ -80,7 +123,7 @@ def _echo_text(runner: Runner, prompt: str | list[int], ids: list[int]) -> str:
     return runner.tokenizer.decode(ids) if runner.tokenizer is not None else ""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Rendering:
     """How a request's choices are written out: endpoint format, echo, logprobs, token ids."""
 
@@ -90,6 +133,9 @@ class Rendering:
     echoed: list[str] | None  # per prompt, when echo was asked for
     logprobs: bool
     token_ids: bool
+    tool_use: ToolUse | None = None
+    # Per streamed choice that may call tools: its text so far, held back from where a call may begin.
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     @property
     def chat(self) -> bool:
@@ -102,7 +148,12 @@ class Rendering:
             text = self.echoed[generation.prompt_index] + text
         if self.logprobs:
             logprobs = self.logprobs_of(generation, generation.logprobs, generation.token_ids, echo=True)
-        return Choice(index, text, reason, list(generation.token_ids) if self.token_ids else None, logprobs)
+        calls = None
+        if self.tool_use is not None:
+            text, found = self.tool_use.parse(text)
+            if found:
+                calls, reason = [call.body() for call in found], "tool_calls"
+        return Choice(index, text, reason, list(generation.token_ids) if self.token_ids else None, logprobs, calls)
 
     def logprobs_of(self, generation: Generation, entries: list[TokenLogprob], tokens: list[int],
                     echo: bool, text_offset: int = 0) -> dict[str, Any]:
@@ -129,8 +180,27 @@ class Rendering:
         logprobs = None
         if self.logprobs and event.logprob is not None:
             logprobs = self.logprobs_of(generation, [event.logprob], [event.token_id], False, text_offset)
-        chunks.append(self.fmt.chunk(index, event.text, first, include_usage, logprobs))
-        return chunks, text_offset + len(event.text)
+        text = event.text
+        if self.tool_use is not None:  # text from where a call may begin waits for finish_chunks
+            text = self.streams.setdefault(index, self.tool_use.stream()).feed(text)
+        chunks.append(self.fmt.chunk(index, text, first, include_usage, logprobs))
+        return chunks, text_offset + len(text)
+
+    def finish_chunks(self, index: int, reason: str, include_usage: bool) -> list[dict[str, Any]]:
+        """A finished choice's last chunks: with tools, the text held back or the calls it made, then the
+        finish reason."""
+        chunks = []
+        stream = self.streams.pop(index, None)
+        if stream is not None:
+            rest, calls = stream.finish(self.tool_use)
+            if rest:
+                chunks.append(self.fmt.chunk(index, rest, False, include_usage))
+            if calls:
+                chunks.append(self.fmt.tool_calls_chunk(index, [c.body(i) for i, c in enumerate(calls)],
+                                                        include_usage))
+                reason = "tool_calls"
+        chunks.append(self.fmt.finish_chunk(index, reason, include_usage))
+        return chunks
 
 
 def _sampling(runner: Runner, req: GenerationRequest, seed: int | None) -> SamplingParams:
@@ -182,7 +252,7 @@ def _prompt_ids(runner: Runner, req: GenerationRequest) -> list[list[int]]:
             raise bad_request("this model has no tokenizer, so it cannot serve chat; send token ids to "
                               "/v1/completions", "messages", "no_tokenizer")
         try:
-            return [tokenizer.encode_chat(req.messages)]
+            return [tokenizer.encode_chat(req.messages, req.tools)]
         except Pt2ServeError as err:
             raise bad_request(str(err), "messages", "chat_template_failed") from None
     assert req.prompts is not None
@@ -297,7 +367,7 @@ async def _stream(generations: list[Generation], render: Rendering, include_usag
                 _cancel(generations)
                 return
             # a clean end always comes with the last token, which carries any held-back text
-            parts.append(sse(fmt.finish_chunk(index, reason, include_usage)))
+            parts += [sse(chunk) for chunk in render.finish_chunks(index, reason, include_usage)]
         yield b"".join(parts)
     if include_usage:
         yield sse(fmt.usage_chunk(_usage(generations)))

@@ -46,13 +46,13 @@ class Generation:
 
     def start(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
               stop_token_ids: tuple[int, ...], session_id: str | None, ignore_eos: bool,
-              logprobs: int | None = None, prompt_logprobs: int | None = None) -> None:
+              logprobs: int | None = None, prompt_logprobs: int | None = None, grammar=None) -> None:
         """Submit to the runner; raises Pt2ServeError for a request it refuses."""
         self.handle = self._runner.submit(
             prompt_ids, max_new_tokens=max_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
             stop_strings=stop, session_id=session_id, ignore_eos=ignore_eos, on_event=self._from_engine,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            parent=self.shares_prompt_of.handle if self.shares_prompt_of is not None else None,
+            parent=self.shares_prompt_of.handle if self.shares_prompt_of is not None else None, grammar=grammar,
         )
 
     @property

@@ -45,10 +45,11 @@ class Choice:
     """One finished choice of a non-streamed response."""
 
     index: int
-    text: str
+    text: str | None
     finish_reason: str
     token_ids: list[int] | None = None  # extension: sent when a prompt was token ids
     logprobs: dict[str, Any] | None = None  # in the endpoint's shape (logprob_format.py)
+    tool_calls: list[dict[str, Any]] | None = None  # chat: the calls the reply made (then text may be None)
 
 
 @dataclass
@@ -89,14 +90,23 @@ class ChatFormat(_Format):
         self.id = self.id or f"chatcmpl-{uuid.uuid4().hex}"
 
     def body(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
-        bodies = [{"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                   "logprobs": choice.logprobs, "finish_reason": choice.finish_reason} for choice in choices]
+        bodies = []
+        for choice in choices:
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            if choice.tool_calls:
+                message["tool_calls"] = choice.tool_calls
+            bodies.append({"index": choice.index, "message": message, "logprobs": choice.logprobs,
+                           "finish_reason": choice.finish_reason})
         return self._envelope("chat.completion", bodies, usage=usage.body())
 
     def chunk(self, index: int, text: str, first: bool, with_usage: bool,
               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice], **_null_usage(with_usage))
+
+    def tool_calls_chunk(self, index: int, calls: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
+        choice = {"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice], **_null_usage(with_usage))
 
     def finish_chunk(self, index: int, finish_reason: str, with_usage: bool) -> dict[str, Any]:

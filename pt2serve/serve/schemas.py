@@ -11,12 +11,16 @@ their own extensions, except those that are known to change the output elsewhere
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pt2serve.errors import Pt2ServeError
+from pt2serve.runtime.grammar import GrammarSpec, schema_text
 from pt2serve.runtime.logprobs import MAX_TOP_LOGPROBS
 from pt2serve.runtime.sampling import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_TEMPERATURE
 from pt2serve.serve.errors import ApiError, bad_request
@@ -28,15 +32,18 @@ MAX_STOP_TOKEN_IDS = 16
 MAX_SESSION_ID_CHARS = 256
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_CHOICES = 128  # n, and prompts x n
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields OpenAI or peers define that leave the output as it is.
-NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prediction", "stream_options"})
+NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prediction", "stream_options",
+                              "guided_decoding_backend"})
 # Extensions other servers accept that change the output and that this server does not implement.
 REFUSED_EXTENSIONS = frozenset({
     "min_p", "top_a", "typical_p", "use_beam_search", "length_penalty", "early_stopping", "bad_words",
     "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-    "truncate_prompt_tokens", "prompt_logprobs", "guided_choice", "guided_json", "guided_regex", "guided_grammar",
-    "guided_decoding_backend", "structured_outputs", "continue_final_message", "add_generation_prompt",
+    "truncate_prompt_tokens", "prompt_logprobs", "guided_whitespace_pattern", "structured_outputs",
+    "continue_final_message", "add_generation_prompt",
     "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs", "functions", "function_call",
     "audio", "modalities", "web_search_options", "reasoning_effort", "verbosity", "logits_processors",
     "vllm_xargs", "nvext", "priority", "return_tokens_as_token_ids",
@@ -73,6 +80,10 @@ class _Common(BaseModel):
     logit_bias: dict[str, Any] | None = None
     logprobs: Any = None
     response_format: Any = None
+    guided_json: Any = None  # extensions, as vLLM's: the output follows a JSON schema, a regex, an EBNF grammar,
+    guided_regex: str | None = None  # or is one of the given strings
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class _CompletionBody(_Common):
@@ -116,6 +127,11 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None  # each generated token's log probability, with this many alternatives
+    grammar: GrammarSpec | None = None  # what the output must match
+    grammar_param: str | None = None  # the field that asked for it
+    tools: list[dict[str, Any]] | None = None  # chat: {"type": "function", "function": {name, description, parameters}}
+    tool_choice: str = "none"  # "none", "auto", "required", or the name of the one function to call
+    parallel_tool_calls: bool = True
     echo: bool = False  # completions: the prompt's text (and its logprobs, with logprobs) before the completion
 
     @property
@@ -125,7 +141,6 @@ class GenerationRequest:
 
 def parse_completion(data: Any) -> GenerationRequest:
     body = _validate(_CompletionBody, data)
-    _refuse_unsupported(body)
     if body.best_of not in (None, 1) and body.best_of != body.n:
         raise _unsupported("best_of", "best_of must equal n (every sampled choice is returned)")
     if body.suffix:
@@ -139,12 +154,13 @@ def parse_completion(data: Any) -> GenerationRequest:
     if len(prompts) * (body.n or 1) > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices in one "
                           "request", "n", "too_many_choices")
-    return _request(body, prompts=prompts, max_tokens=body.max_tokens, logprobs=logprobs, echo=bool(body.echo))
+    grammar, grammar_param = _grammar(body)
+    return _request(body, prompts=prompts, max_tokens=body.max_tokens, logprobs=logprobs, echo=bool(body.echo),
+                    grammar=grammar, grammar_param=grammar_param)
 
 
 def parse_chat(data: Any) -> GenerationRequest:
     body = _validate(_ChatBody, data)
-    _refuse_unsupported(body)
     if body.logprobs is not None and not isinstance(body.logprobs, bool):
         raise bad_request("logprobs must be true or false", "logprobs", "invalid_value")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -152,12 +168,16 @@ def parse_chat(data: Any) -> GenerationRequest:
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    if body.tools:
-        raise _unsupported("tools")
-    if body.tool_choice not in (None, "none"):
-        raise _unsupported("tool_choice", "tool_choice needs tools, which this server does not support")
+    tools = _tools(body.tools)
+    tool_choice = _tool_choice(body.tool_choice, tools)
+    grammar, grammar_param = _grammar(body)
+    if grammar is not None and tool_choice in ("required",) + tuple(t["function"]["name"] for t in tools or ()):
+        raise bad_request("a tool_choice that forces a call already fixes the output's format: drop "
+                          "response_format (or the guided_* field)", "tool_choice", "invalid_value")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _request(body, messages=_messages(body.messages), max_tokens=max_tokens, logprobs=logprobs)
+    return _request(body, messages=_messages(body.messages), max_tokens=max_tokens, logprobs=logprobs,
+                    grammar=grammar, grammar_param=grammar_param, tools=tools, tool_choice=tool_choice,
+                    parallel_tool_calls=body.parallel_tool_calls is not False)
 
 
 def _validate(model: type[BaseModel], data: Any) -> Any:
@@ -179,17 +199,12 @@ def _validate(model: type[BaseModel], data: Any) -> Any:
     return body
 
 
-def _refuse_unsupported(body: _Common) -> None:
-    if body.response_format is not None and body.response_format != {"type": "text"}:
-        raise _unsupported("response_format")
-
-
 def _unsupported(param: str, message: str | None = None) -> ApiError:
     return bad_request(message or f"{param} is not supported by this server", param, "unsupported_parameter")
 
 
 def _request(body: _Common, *, max_tokens: int | None, prompts=None, messages=None, logprobs: int | None = None,
-             echo: bool = False) -> GenerationRequest:
+             echo: bool = False, **chat: Any) -> GenerationRequest:
     options = body.stream_options
     if options is not None and not body.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options", "invalid_value")
@@ -216,7 +231,89 @@ def _request(body: _Common, *, max_tokens: int | None, prompts=None, messages=No
         min_tokens=body.min_tokens or 0,
         logprobs=logprobs,
         echo=echo,
+        **chat,
     )
+
+
+def _grammar(body: _Common) -> tuple[GrammarSpec | None, str | None]:
+    """The output's required form and the field that gave it: response_format or one guided_* extension."""
+    given = [name for name in ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+             if getattr(body, name) is not None and getattr(body, name) != {"type": "text"}]
+    if len(given) > 1:
+        raise bad_request(f"give at most one of {', '.join(given)}", given[1], "invalid_value")
+    if not given:
+        return None, None
+    name, value = given[0], getattr(body, given[0])
+    try:
+        if name == "guided_json":
+            return GrammarSpec("json_schema", schema_text(value, name)), name
+        if name == "guided_regex":
+            return GrammarSpec("regex", value), name
+        if name == "guided_grammar":
+            return GrammarSpec("ebnf", value), name
+        if name == "guided_choice":
+            if not value or not all(value):
+                raise Pt2ServeError("guided_choice must be a non-empty list of non-empty strings")
+            return GrammarSpec("ebnf", "root ::= " + " | ".join(json.dumps(choice) for choice in value)), name
+        return _response_format(value), name
+    except Pt2ServeError as err:
+        raise bad_request(str(err), name, "invalid_value") from None
+
+
+def _response_format(value: Any) -> GrammarSpec:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return GrammarSpec("json")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise Pt2ServeError("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        return GrammarSpec("json_schema", schema_text(spec["schema"], "response_format.json_schema.schema"))
+    raise Pt2ServeError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise bad_request(f"tools must be a list of at most {MAX_TOOLS} functions", "tools", "invalid_value")
+    tools = []
+    for i, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise bad_request(f"tools.{i} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} with a "
+                              "name of letters, digits, _ and - (at most 64)", f"tools.{i}", "invalid_value")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise bad_request(f"tools.{i}.function.parameters must be a JSON schema object",
+                              f"tools.{i}.function.parameters", "invalid_value")
+        entry = {"name": name, "parameters": parameters}
+        if isinstance(function.get("description"), str):
+            entry["description"] = function["description"]
+        tools.append({"type": "function", "function": entry})
+    if len({t["function"]["name"] for t in tools}) != len(tools):
+        raise bad_request("tools must have distinct names", "tools", "invalid_value")
+    return tools or None
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str:
+    """"none", "auto", "required" or a function's name (OpenAI's default: auto with tools, else none)."""
+    if value is None:
+        return "auto" if tools else "none"
+    if value in ("none", "auto", "required"):
+        name = value
+    elif isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        name = value["function"].get("name")
+    else:
+        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                          '{"name": ...}}', "tool_choice", "invalid_value")
+    if name != "none" and not tools:
+        raise bad_request("tool_choice needs tools", "tool_choice", "invalid_value")
+    if name not in ("none", "auto", "required") and name not in {t["function"]["name"] for t in tools}:
+        raise bad_request(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice",
+                          "invalid_value")
+    return name
 
 
 def _logit_bias(value: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
@@ -278,11 +375,41 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         if role not in CHAT_ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                               f"{where}.role", "invalid_value")
-        if role == "tool" or message.get("tool_calls") or message.get("tool_call_id") is not None:
-            raise bad_request(f"{where}: tool calls and tool results need tools, which this server does not "
-                              "support", where, "unsupported_parameter")
-        messages.append({"role": role, "content": _content(message.get("content"), f"{where}.content")})
+        out = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            out["tool_calls"] = _history_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise bad_request(f"{where}.tool_call_id must be the id of the call this answers", 
+                                  f"{where}.tool_call_id", "invalid_value")
+            out["tool_call_id"] = call_id
+        if isinstance(message.get("name"), str):
+            out["name"] = message["name"]
+        messages.append(out)
     return messages
+
+
+def _history_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls, arguments as objects (chat templates write them as JSON)."""
+    if not isinstance(value, list):
+        raise bad_request(f"{where} must be a list of tool calls", where, "invalid_value")
+    calls = []
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            raise bad_request(f"{where}.{i} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                              "\"arguments\": a JSON object}}}}", f"{where}.{i}", "invalid_value")
+        calls.append({"id": str(call.get("id", "")), "type": "function",
+                      "function": {"name": name, "arguments": arguments}})
+    return calls
 
 
 def _content(value: Any, where: str) -> str:
