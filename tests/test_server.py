@@ -237,7 +237,7 @@ def test_session_reuses_the_previous_turn(server):
 # -- bad input -----------------------------------------------------------------------------------------------
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-OK = {"model": MODEL, "prompt": "hi"}
+OK = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 
 BAD_REQUESTS = [
     # (path, body: dict for JSON or bytes as sent, status, message substring, param)

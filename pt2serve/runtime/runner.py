@@ -312,14 +312,14 @@ class Runner:
             launched = self._launch_next() if self.scheduler.has_work() or self._held else None
             if in_flight is not None:
                 self._complete(in_flight)  # while `launched` runs on the device
-            if launched is not None and isinstance(launched.pending, DeferredSampling):
-                launched = self._sample_constrained(launched)  # its masks follow the ids just committed
             elif launched is None:
                 if self.scheduler.has_work():
                     time.sleep(0.001)  # nothing fits now (pool full of in-flight work); let commands arrive
                 else:
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
+            if launched is not None and isinstance(launched.pending, DeferredSampling):
+                launched = self._sample_constrained(launched)  # its masks follow the ids just committed
             in_flight = launched
 
     def _drain_inbox(self) -> None:
