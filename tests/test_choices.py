@@ -5,95 +5,75 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import openai
 import pytest
 
-from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.request import FinishReason
-from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.runtime.sampling import SamplingParams
-from pt2serve.serve.app import create_app
-from pt2serve.serve.config import ServerConfig
-from servers import ServerThread
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_artifact):
-    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(token_budget=16,
-                                                                                  min_prefill_chunk=4))
-    yield runner
-    runner.close()
-
-
-def wait_idle(runner) -> None:
+def wait_idle(chunked_runner) -> None:
     deadline = time.monotonic() + 10
-    while runner.num_active or runner.stats.num_running or runner.stats.num_waiting:
+    while chunked_runner.num_active or chunked_runner.stats.num_running or chunked_runner.stats.num_waiting:
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
 
-def test_children_share_the_prompt_and_equal_their_seed_alone(runner):
+def test_children_share_the_prompt_and_equal_their_seed_alone(chunked_runner):
     prompt = [256, *np.random.default_rng(3).integers(0, 256, 40).tolist()]
     kwargs = dict(max_new_tokens=10, ignore_eos=True, logprobs=1)
-    parent = runner.submit(prompt, sampling=SamplingParams(temperature=1.0, seed=100), **kwargs)
-    children = [runner.submit(prompt, sampling=SamplingParams(temperature=1.0, seed=100 + j), parent=parent,
-                              **kwargs) for j in (1, 2, 3)]
+    parent = chunked_runner.submit(prompt, sampling=SamplingParams(temperature=1.0, seed=100), **kwargs)
+    children = [chunked_runner.submit(prompt, sampling=SamplingParams(temperature=1.0, seed=100 + j), parent=parent,
+                                      **kwargs) for j in (1, 2, 3)]
     together = [h.result(timeout=60) for h in [parent, *children]]
     for child in children:
         assert child.stats.reused_tokens == len(prompt) - 1  # only the last prompt token computed again
         assert child.stats.prefilled_tokens == 1
     assert parent.stats.prefilled_tokens == len(prompt)
     for j, done in enumerate(together):
-        alone = runner.generate(prompt, sampling=SamplingParams(temperature=1.0, seed=100 + j), **kwargs)
+        alone = chunked_runner.generate(prompt, sampling=SamplingParams(temperature=1.0, seed=100 + j), **kwargs)
         assert done.token_ids == alone.token_ids
         assert np.allclose([lp.logprob for lp in done.logprobs], [lp.logprob for lp in alone.logprobs], atol=1e-5)
     assert len({tuple(d.token_ids) for d in together}) > 1  # different seeds, different draws
-    wait_idle(runner)
-    assert runner.stats.cells_leaked == 0
+    wait_idle(chunked_runner)
+    assert chunked_runner.stats.cells_leaked == 0
 
 
-def test_a_child_cancelled_while_held_ends_and_leaks_nothing(runner):
+def test_a_child_cancelled_while_held_ends_and_leaks_nothing(chunked_runner):
     prompt = [256, *range(100)]  # a prefill of several steps at a budget of 16
-    parent = runner.submit(prompt, max_new_tokens=4, ignore_eos=True)
-    child = runner.submit(prompt, max_new_tokens=4, ignore_eos=True, parent=parent)
-    runner.cancel(child)
+    parent = chunked_runner.submit(prompt, max_new_tokens=4, ignore_eos=True)
+    child = chunked_runner.submit(prompt, max_new_tokens=4, ignore_eos=True, parent=parent)
+    chunked_runner.cancel(child)
     assert child.result(timeout=30).finish_reason is FinishReason.CANCELLED
     assert parent.result(timeout=30).finish_reason is FinishReason.LENGTH
-    wait_idle(runner)
-    assert runner.stats.cells_leaked == 0 and runner.stats.cells_used == 0
+    wait_idle(chunked_runner)
+    assert chunked_runner.stats.cells_leaked == 0 and chunked_runner.stats.cells_used == 0
 
 
-def test_a_child_must_have_its_parents_prompt(runner):
-    parent = runner.submit([256, 1, 2], max_new_tokens=1)
+def test_a_child_must_have_its_parents_prompt(chunked_runner):
+    parent = chunked_runner.submit([256, 1, 2], max_new_tokens=1)
     with pytest.raises(Exception, match="parent's prompt"):
-        runner.submit([256, 1, 3], max_new_tokens=1, parent=parent)
+        chunked_runner.submit([256, 1, 3], max_new_tokens=1, parent=parent)
     parent.result(timeout=30)
 
 
-def test_n_choices_over_http_equal_their_seeds_alone(runner):
-    thread = ServerThread(create_app(ServerConfig(model_name="tiny"), runner)).start()
-    try:
-        with openai.OpenAI(base_url=f"{thread.url}/v1", api_key="x", timeout=60, max_retries=0) as client:
-            kwargs = dict(model="tiny", max_tokens=8, temperature=0.9, logprobs=2, extra_body={"ignore_eos": True})
-            together = client.completions.create(prompt=["Hello there", "Bye"], n=3, seed=7, echo=True, **kwargs)
-            assert [c.index for c in together.choices] == list(range(6))
-            for c in together.choices:
-                prompt = ["Hello there", "Bye"][c.index // 3]
-                alone = client.completions.create(prompt=prompt, seed=7 + c.index % 3, echo=True, **kwargs).choices[0]
-                assert c.text == alone.text
-                assert c.logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-5)
-            # The prompt is counted once per prompt, completions for every choice.
-            assert together.usage.prompt_tokens == len("Hello there") + 1 + len("Bye") + 1
-            assert together.usage.completion_tokens == 6 * 8
+def test_n_choices_over_http_equal_their_seeds_alone(chunked_client):
+    client = chunked_client
+    kwargs = dict(model="tiny", max_tokens=8, temperature=0.9, logprobs=2, extra_body={"ignore_eos": True})
+    together = client.completions.create(prompt=["Hello there", "Bye"], n=3, seed=7, echo=True, **kwargs)
+    assert [c.index for c in together.choices] == list(range(6))
+    for c in together.choices:
+        prompt = ["Hello there", "Bye"][c.index // 3]
+        alone = client.completions.create(prompt=prompt, seed=7 + c.index % 3, echo=True, **kwargs).choices[0]
+        assert c.text == alone.text
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-5)
+    # The prompt is counted once per prompt, completions for every choice.
+    assert together.usage.prompt_tokens == len("Hello there") + 1 + len("Bye") + 1
+    assert together.usage.completion_tokens == 6 * 8
 
-            streamed = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], n=2, seed=1,
-                                                      stream=True, **{**kwargs, "logprobs": None})
-            texts = {}
-            for chunk in streamed:
-                for choice in chunk.choices:
-                    texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
-            full = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], n=2, seed=1,
-                                                  **{**kwargs, "logprobs": None})
-            assert texts == {c.index: c.message.content for c in full.choices}
-    finally:
-        thread.stop()
+    chat = dict(kwargs, messages=[{"role": "user", "content": "Hi"}], n=2, seed=1, logprobs=None)
+    texts = {}
+    for chunk in client.chat.completions.create(**chat, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    full = client.chat.completions.create(**chat)
+    assert texts == {c.index: c.message.content for c in full.choices}

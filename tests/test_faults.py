@@ -48,13 +48,13 @@ def wait_until_idle(runner, timeout_s: float = 30) -> None:
 
 def slow_steps(runner, monkeypatch, seconds: float = 0.01) -> None:
     """Each engine step takes at least `seconds`, so a long request is surely running when a test acts."""
-    step = runner.executor.step
+    launch = runner.executor.launch  # what the runner calls (step() is launch then wait)
 
-    def slow_step(chunks):
+    def slow_launch(chunks):
         time.sleep(seconds)
-        return step(chunks)
+        return launch(chunks)
 
-    monkeypatch.setattr(runner.executor, "step", slow_step)
+    monkeypatch.setattr(runner.executor, "launch", slow_launch)
 
 
 # -- faults stay with their own request ------------------------------------------------------------------------

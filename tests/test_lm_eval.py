@@ -8,7 +8,6 @@ model directly, and its generations those of the runner. The tasks are two small
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -40,7 +39,7 @@ def write_tasks(folder) -> None:
     with open(data / "gen.jsonl", "w") as f:
         for question, choices, _ in QUESTIONS:
             f.write(json.dumps({"question": question, "answer": choices[0]}) + "\n")
-    common = f"dataset_path: json\ntest_split: train\ndoc_to_text: \"{{{{question}}}}\"\n"
+    common = "dataset_path: json\ntest_split: train\ndoc_to_text: \"{{question}}\"\n"
     (folder / "toy_mc.yaml").write_text(
         f"task: toy_mc\n{common}dataset_kwargs:\n  data_files: {data / 'mc.jsonl'}\n"
         "output_type: multiple_choice\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"

@@ -10,26 +10,10 @@ import torch
 
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.eager import EagerSequence
-from pt2serve.model.presets import build_preset_model
-from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.request import FinishReason
-from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.runtime.sampling import SamplingParams
 
 NEW_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_preset_model("tiny", torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_artifact):
-    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(token_budget=16,
-                                                                                  min_prefill_chunk=4))
-    yield runner
-    runner.close()
 
 
 def reference_greedy(model, prompt: list[int], params: SamplingParams, stops: set[int], num: int) -> list[int]:
@@ -66,42 +50,42 @@ CONTROLS = {
 }
 
 
-def test_controls_match_the_host_reference_side_by_side(runner, model):
+def test_controls_match_the_host_reference_side_by_side(chunked_runner, tiny_model):
     rng = np.random.default_rng(5)
     prompts = {name: [256, *rng.integers(0, 256, 12 + 3 * i).tolist()] for i, name in enumerate(CONTROLS)}
-    handles = {name: runner.submit(prompts[name], max_new_tokens=NEW_TOKENS, ignore_eos=True,
-                                   sampling=SamplingParams(**controls)) for name, controls in CONTROLS.items()}
-    plain = runner.submit(prompts["all"], max_new_tokens=NEW_TOKENS, ignore_eos=True)  # shares the steps
+    handles = {name: chunked_runner.submit(prompts[name], max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                           sampling=SamplingParams(**controls)) for name, controls in CONTROLS.items()}
+    plain = chunked_runner.submit(prompts["all"], max_new_tokens=NEW_TOKENS, ignore_eos=True)  # shares the steps
     for name, handle in handles.items():
-        expected = reference_greedy(model, prompts[name], SamplingParams(**CONTROLS[name]), set(), NEW_TOKENS)
+        expected = reference_greedy(tiny_model, prompts[name], SamplingParams(**CONTROLS[name]), set(), NEW_TOKENS)
         assert handle.result(timeout=60).token_ids == expected, name
-    assert plain.result(timeout=60).token_ids == reference_greedy(model, prompts["all"], SamplingParams(), set(),
+    assert plain.result(timeout=60).token_ids == reference_greedy(tiny_model, prompts["all"], SamplingParams(), set(),
                                                                   NEW_TOKENS)
     deadline = time.monotonic() + 10
-    while runner.executor.logits_processor.num_slots_held:  # every penalized request gave its slot back
+    while chunked_runner.executor.logits_processor.num_slots_held:  # every penalized request gave its slot back
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
 
-def test_min_tokens_masks_stop_tokens_until_reached(runner, model):
+def test_min_tokens_masks_stop_tokens_until_reached(chunked_runner, tiny_model):
     prompt = [256, 5, 6, 7]
-    first = runner.generate(prompt, max_new_tokens=8, ignore_eos=True).token_ids
+    first = chunked_runner.generate(prompt, max_new_tokens=8, ignore_eos=True).token_ids
     stops = {first[0], first[1]}  # greedy would stop at once
-    stopped = runner.generate(prompt, max_new_tokens=8, stop_token_ids=tuple(stops))
+    stopped = chunked_runner.generate(prompt, max_new_tokens=8, stop_token_ids=tuple(stops))
     assert stopped.token_ids == [first[0]] and stopped.finish_reason is FinishReason.STOP
     params = SamplingParams(min_tokens=5)
-    held = runner.generate(prompt, max_new_tokens=8, stop_token_ids=tuple(stops), sampling=params)
-    expected = reference_greedy(model, prompt, params, stops | set(runner.tokenizer.eos_token_ids), 8)
+    held = chunked_runner.generate(prompt, max_new_tokens=8, stop_token_ids=tuple(stops), sampling=params)
+    expected = reference_greedy(tiny_model, prompt, params, stops | set(chunked_runner.tokenizer.eos_token_ids), 8)
     assert held.token_ids == expected
     assert not stops & set(held.token_ids[:5])
 
 
-def test_seeded_sampling_with_penalties_is_reproducible_and_differs(runner):
+def test_seeded_sampling_with_penalties_is_reproducible_and_differs(chunked_runner):
     params = SamplingParams(temperature=1.0, seed=9, frequency_penalty=2.0)
-    first = runner.generate([256, 1, 2, 3], max_new_tokens=24, ignore_eos=True, sampling=params)
-    again = runner.generate([256, 1, 2, 3], max_new_tokens=24, ignore_eos=True, sampling=params)
-    unpenalized = runner.generate([256, 1, 2, 3], max_new_tokens=24, ignore_eos=True,
-                                  sampling=SamplingParams(temperature=1.0, seed=9))
+    first = chunked_runner.generate([256, 1, 2, 3], max_new_tokens=24, ignore_eos=True, sampling=params)
+    again = chunked_runner.generate([256, 1, 2, 3], max_new_tokens=24, ignore_eos=True, sampling=params)
+    unpenalized = chunked_runner.generate([256, 1, 2, 3], max_new_tokens=24, ignore_eos=True,
+                                          sampling=SamplingParams(temperature=1.0, seed=9))
     assert first.token_ids == again.token_ids != unpenalized.token_ids
 
 
@@ -115,44 +99,34 @@ def test_out_of_range_controls_are_refused(kwargs):
 # -- through the HTTP API, and the checkpoint's defaults -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def url(runner):
-    from pt2serve.serve.app import create_app
-    from pt2serve.serve.config import ServerConfig
-    from servers import ServerThread
-
-    thread = ServerThread(create_app(ServerConfig(model_name="tiny"), runner)).start()
-    yield thread.url
-    thread.stop()
-
-
-def complete(url: str, **body) -> dict:
+def complete(chunked_url: str, **body) -> dict:
     import httpx
 
-    response = httpx.post(f"{url}/v1/completions", json={"max_tokens": 10, "ignore_eos": True, **body}, timeout=60)
+    body = {"max_tokens": 10, "ignore_eos": True, **body}
+    response = httpx.post(f"{chunked_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]
 
 
-def test_http_controls_equal_the_runners(url, runner):
+def test_http_controls_equal_the_runners(chunked_url, chunked_runner):
     prompt = [256, 70, 71, 72]
     body = dict(prompt=prompt, temperature=0.8, seed=4, presence_penalty=0.5, frequency_penalty=1.0,
                 repetition_penalty=1.2, logit_bias={"65": 5.0, "10": -3}, min_tokens=3)
     params = SamplingParams(temperature=0.8, seed=4, presence_penalty=0.5, frequency_penalty=1.0,
                             repetition_penalty=1.2, logit_bias=((65, 5.0), (10, -3.0)), min_tokens=3)
-    assert complete(url, **body)["token_ids"] == runner.generate(prompt, max_new_tokens=10, ignore_eos=True,
-                                                                 sampling=params).token_ids
-    assert set(complete(url, prompt=prompt, temperature=0, logit_bias={"66": 100})["token_ids"]) == {66}
+    alone = chunked_runner.generate(prompt, max_new_tokens=10, ignore_eos=True, sampling=params)
+    assert complete(chunked_url, **body)["token_ids"] == alone.token_ids
+    assert set(complete(chunked_url, prompt=prompt, temperature=0, logit_bias={"66": 100})["token_ids"]) == {66}
 
 
-def test_the_checkpoints_generation_defaults_fill_what_a_request_leaves_out(url, runner, monkeypatch):
-    greedy = complete(url, prompt=[256, 1, 2], temperature=0)["token_ids"]
-    monkeypatch.setattr(runner, "generation_defaults", {"temperature": 0.0, "top_k": 5})
-    assert complete(url, prompt=[256, 1, 2])["token_ids"] == greedy  # no temperature: the model's 0
-    monkeypatch.setattr(runner, "generation_defaults", {"repetition_penalty": 3.0})
-    penalized = runner.generate([256, 1, 2], max_new_tokens=10, ignore_eos=True,
-                                sampling=SamplingParams(repetition_penalty=3.0)).token_ids
-    assert complete(url, prompt=[256, 1, 2], temperature=0)["token_ids"] == penalized != greedy
+def test_the_checkpoints_generation_defaults_fill_what_a_request_leaves_out(chunked_url, chunked_runner, monkeypatch):
+    greedy = complete(chunked_url, prompt=[256, 1, 2], temperature=0)["token_ids"]
+    monkeypatch.setattr(chunked_runner, "generation_defaults", {"temperature": 0.0, "top_k": 5})
+    assert complete(chunked_url, prompt=[256, 1, 2])["token_ids"] == greedy  # no temperature: the model's 0
+    monkeypatch.setattr(chunked_runner, "generation_defaults", {"repetition_penalty": 3.0})
+    penalized = chunked_runner.generate([256, 1, 2], max_new_tokens=10, ignore_eos=True,
+                                        sampling=SamplingParams(repetition_penalty=3.0)).token_ids
+    assert complete(chunked_url, prompt=[256, 1, 2], temperature=0)["token_ids"] == penalized != greedy
 
 
 def test_generation_config_is_read_and_checked(tmp_path):

@@ -1,4 +1,4 @@
-"""Structured output: sampled at temperature 1 from the tiny model, the output always follows the grammar."""
+"""Structured output: sampled at temperature 1 from the tiny tiny_model, the output always follows the grammar."""
 
 from __future__ import annotations
 
@@ -10,24 +10,14 @@ import pytest
 
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime import executor as executor_module
-from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.grammar import GrammarSpec
 from pt2serve.runtime.request import FinishReason
-from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.runtime.sampling import SamplingParams
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
 HOT = SamplingParams(temperature=1.0)
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_artifact):
-    runner = open_runner(tiny_artifact, device="cpu", runner_config=RunnerConfig(token_budget=32,
-                                                                                  min_prefill_chunk=4))
-    yield runner
-    runner.close()
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
@@ -49,13 +39,14 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
             "additionalProperties": False}
 
 
-def test_random_schemas_always_parse_and_validate(runner):
+def test_random_schemas_always_parse_and_validate(chunked_runner):
     rng = random.Random(1)
     schemas = [random_schema(rng) for _ in range(12)]
-    handles = [runner.submit([256, *b"JSON:"], max_new_tokens=200, sampling=SamplingParams(temperature=1.0, seed=i),
-                             grammar=GrammarSpec("json_schema", json.dumps(schema)))
+    handles = [chunked_runner.submit([256, *b"JSON:"], max_new_tokens=200,
+                                     sampling=SamplingParams(temperature=1.0, seed=i),
+                                     grammar=GrammarSpec("json_schema", json.dumps(schema)))
                for i, schema in enumerate(schemas)]
-    plain = runner.submit([256, 1, 2], max_new_tokens=30, sampling=HOT, ignore_eos=True)  # unconstrained beside
+    plain = chunked_runner.submit([256, 1, 2], max_new_tokens=30, sampling=HOT, ignore_eos=True)  # unconstrained beside
     for schema, handle in zip(schemas, handles):
         done = handle.result(timeout=120)
         assert done.finish_reason is FinishReason.STOP, (schema, done.text)
@@ -63,80 +54,67 @@ def test_random_schemas_always_parse_and_validate(runner):
     assert len(plain.result(timeout=60).token_ids) == 30
 
 
-def test_json_object_regex_and_ebnf(runner):
+def test_json_object_regex_and_ebnf(chunked_runner):
     for seed in range(3):
-        obj = runner.generate([256, 7], max_new_tokens=200, sampling=SamplingParams(temperature=1.0, seed=seed),
-                              grammar=GrammarSpec("json"))
+        obj = chunked_runner.generate([256, 7], max_new_tokens=200, sampling=SamplingParams(temperature=1.0, seed=seed),
+                                      grammar=GrammarSpec("json"))
         if obj.finish_reason is FinishReason.STOP:
             assert isinstance(json.loads(obj.text), dict)
         else:  # a random model may write a long object; what it wrote so far is still a JSON object's start
             assert obj.text.startswith("{")
     pattern = r"(cat|dog)-[0-9]{2,4}"
     for seed in range(4):
-        done = runner.generate([256, 9], max_new_tokens=20, sampling=SamplingParams(temperature=1.0, seed=seed),
-                               grammar=GrammarSpec("regex", pattern))
+        done = chunked_runner.generate([256, 9], max_new_tokens=20, sampling=SamplingParams(temperature=1.0, seed=seed),
+                                       grammar=GrammarSpec("regex", pattern))
         assert re.fullmatch(pattern, done.text) and done.finish_reason is FinishReason.STOP
     grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
-    done = runner.generate([256, 3], max_new_tokens=20, sampling=HOT, grammar=GrammarSpec("ebnf", grammar))
+    done = chunked_runner.generate([256, 3], max_new_tokens=20, sampling=HOT, grammar=GrammarSpec("ebnf", grammar))
     assert re.fullmatch(r"yes|no|maybe [0-9]", done.text)
 
 
-def test_a_bad_grammar_is_refused_at_submit(runner):
+def test_a_bad_grammar_is_refused_at_submit(chunked_runner):
     with pytest.raises(Pt2ServeError, match="cannot be compiled"):
-        runner.submit([256, 1], grammar=GrammarSpec("regex", "(unclosed"))
+        chunked_runner.submit([256, 1], grammar=GrammarSpec("regex", "(unclosed"))
     with pytest.raises(Pt2ServeError, match="cannot be compiled"):
-        runner.submit([256, 1], grammar=GrammarSpec("ebnf", "root ::= undefined_rule"))
+        chunked_runner.submit([256, 1], grammar=GrammarSpec("ebnf", "root ::= undefined_rule"))
 
 
-def test_masks_change_what_is_sampled(runner, monkeypatch):
+def test_masks_change_what_is_sampled(chunked_runner, monkeypatch):
     """Without the masks applied the same seeds leave the grammar: the device mask is what constrains."""
     spec = GrammarSpec("regex", "[a-c]{5}")
     monkeypatch.setattr(executor_module, "apply_masks", lambda logits, mask: None)
-    unmasked = [runner.generate([256, 5], max_new_tokens=5, sampling=SamplingParams(temperature=1.0, seed=s),
-                                grammar=spec) for s in range(3)]
+    unmasked = [chunked_runner.generate([256, 5], max_new_tokens=5, sampling=SamplingParams(temperature=1.0, seed=s),
+                                        grammar=spec) for s in range(3)]
     assert any(d.finish_reason is FinishReason.ERROR for d in unmasked)  # a token the grammar refuses
 
 
 # -- through the HTTP API ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def client(runner):
-    openai = pytest.importorskip("openai")
-    from pt2serve.serve.app import create_app
-    from pt2serve.serve.config import ServerConfig
-    from servers import ServerThread
-
-    thread = ServerThread(create_app(ServerConfig(model_name="tiny"), runner)).start()
-    with openai.OpenAI(base_url=f"{thread.url}/v1", api_key="x", timeout=60, max_retries=0) as client:
-        yield client
-    thread.stop()
-
-
-def test_response_format_and_guided_fields_over_http(client):
+def test_response_format_and_guided_fields_over_http(chunked_client):
     schema = random_schema(random.Random(7))
     messages = [{"role": "user", "content": "JSON please"}]
     for seed in range(3):
-        done = client.chat.completions.create(
+        done = chunked_client.chat.completions.create(
             model="tiny", messages=messages, temperature=1.0, seed=seed,
             response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}})
         assert done.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(done.choices[0].message.content), schema)
-        streamed = client.chat.completions.create(
+        streamed = chunked_client.chat.completions.create(
             model="tiny", messages=messages, temperature=1.0, seed=seed, stream=True,
             response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}})
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
             done.choices[0].message.content
     choices = ["alpha", "beta gamma", 'with "quotes"']
     for seed in range(4):
-        picked = client.completions.create(model="tiny", prompt="pick", temperature=1.0, seed=seed,
-                                           extra_body={"guided_choice": choices})
+        picked = chunked_client.completions.create(model="tiny", prompt="pick", temperature=1.0, seed=seed,
+                                                   extra_body={"guided_choice": choices})
         assert picked.choices[0].text in choices
     pattern = r"[0-9]{3}-[a-z]{2}"
-    matched = client.completions.create(model="tiny", prompt="code", temperature=1.0, seed=1, n=3,
-                                        extra_body={"guided_regex": pattern})
+    matched = chunked_client.completions.create(model="tiny", prompt="code", temperature=1.0, seed=1, n=3,
+                                                extra_body={"guided_regex": pattern})
     assert all(re.fullmatch(pattern, c.text) for c in matched.choices)
-    obj = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
-                                         response_format={"type": "json_object"},
+    obj = chunked_client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                                 response_format={"type": "json_object"},
                                          extra_body={"guided_json": None})
     assert obj.choices[0].message.content.startswith("{")
