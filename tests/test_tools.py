@@ -103,18 +103,18 @@ def family_server(request, chunked_runner, monkeypatch):
     files = dataclasses.replace(chunked_runner.tokenizer.files, chat_template=TEMPLATES[request.param])
     monkeypatch.setattr(chunked_runner, "tokenizer", Tokenizer(files))
     thread = ServerThread(create_app(ServerConfig(model_name="tiny"), chunked_runner)).start()
-    yield request.param, thread.chunked_url, chunked_runner.tokenizer
+    yield request.param, thread.url, chunked_runner.tokenizer
     thread.stop()
 
 
-def chat(chunked_url: str, **body) -> dict:
-    response = httpx.post(f"{chunked_url}/v1/chat/completions", json=body, timeout=120)  # no max_tokens: to the end
+def chat(url: str, **body) -> dict:
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)  # no max_tokens: to the end
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def stream_chat(chunked_url: str, **body) -> list[dict]:
-    with httpx.stream("POST", f"{chunked_url}/v1/chat/completions", json={"stream": True, **body},
+def stream_chat(url: str, **body) -> list[dict]:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={"stream": True, **body},
                       timeout=120) as response:
         assert response.status_code == 200
         lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
@@ -126,9 +126,9 @@ ASK = [{"role": "user", "content": "Paris?"}]
 
 
 def test_forced_calls_follow_the_tools_schemas(family_server):
-    _, chunked_url, _ = family_server
+    _, url, _ = family_server
     jsonschema = pytest.importorskip("jsonschema")
-    named = chat(chunked_url, messages=ASK, tools=TOOLS, temperature=1.0, seed=3,
+    named = chat(url, messages=ASK, tools=TOOLS, temperature=1.0, seed=3,
                  tool_choice={"type": "function", "function": {"name": "weather"}})
     choice = named["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
@@ -136,7 +136,7 @@ def test_forced_calls_follow_the_tools_schemas(family_server):
     assert call["type"] == "function" and call["function"]["name"] == "weather" and call["id"].startswith("call_")
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
 
-    required = chat(chunked_url, messages=ASK, tools=TOOLS, temperature=1.0, seed=4, tool_choice="required",
+    required = chat(url, messages=ASK, tools=TOOLS, temperature=1.0, seed=4, tool_choice="required",
                     parallel_tool_calls=False)
     calls = required["choices"][0]["message"].get("tool_calls")
     assert calls, json.dumps(required)
@@ -146,16 +146,16 @@ def test_forced_calls_follow_the_tools_schemas(family_server):
 
 
 def test_auto_reads_the_models_call_whole_and_streamed(family_server):
-    family, chunked_url, _ = family_server
+    family, url, _ = family_server
     forced = {"guided_regex": _regex(CALL_TEXT[family]), "temperature": 0}
-    whole = chat(chunked_url, messages=ASK, tools=TOOLS, **forced)["choices"][0]
+    whole = chat(url, messages=ASK, tools=TOOLS, **forced)["choices"][0]
     assert whole["finish_reason"] == "tool_calls"
     (call,) = whole["message"]["tool_calls"]
     assert call["function"]["name"] == "weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 2}
     assert whole["message"]["content"] == ("Let me check." if family == HERMES else None)
 
-    chunks = stream_chat(chunked_url, messages=ASK, tools=TOOLS, **forced)
+    chunks = stream_chat(url, messages=ASK, tools=TOOLS, **forced)
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     content = "".join(d["delta"].get("content") or "" for d in deltas)
     streamed = [tc for d in deltas for tc in d["delta"].get("tool_calls", [])]
@@ -164,18 +164,18 @@ def test_auto_reads_the_models_call_whole_and_streamed(family_server):
         [(0, "weather", {"city": "Paris", "days": 2})]
     assert deltas[-1]["finish_reason"] == "tool_calls"
 
-    plain = chat(chunked_url, messages=ASK, tools=TOOLS, tool_choice="none", **forced)["choices"][0]
+    plain = chat(url, messages=ASK, tools=TOOLS, tool_choice="none", **forced)["choices"][0]
     assert plain["finish_reason"] == "stop" and "tool_calls" not in plain["message"]  # not read as a call
 
 
 def test_history_with_calls_and_results_goes_through_the_template(family_server):
-    family, chunked_url, tokenizer = family_server
+    family, url, tokenizer = family_server
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
     ]
-    done = chat(chunked_url, messages=history, tools=TOOLS, max_tokens=2, temperature=0)
+    done = chat(url, messages=history, tools=TOOLS, max_tokens=2, temperature=0)
     rendered_messages = [ASK[0], {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "weather",
                                                           "arguments": {"city": "Paris", "days": 2}}}]},
