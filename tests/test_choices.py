@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.request import FinishReason
 from pt2serve.runtime.sampling import SamplingParams
 
@@ -51,8 +52,10 @@ def test_a_child_cancelled_while_held_ends_and_leaks_nothing(chunked_runner):
 
 def test_a_child_must_have_its_parents_prompt(chunked_runner):
     parent = chunked_runner.submit([256, 1, 2], max_new_tokens=1)
-    with pytest.raises(Exception, match="parent's prompt"):
+    with pytest.raises(Pt2ServeError, match="parent's prompt"):
         chunked_runner.submit([256, 1, 3], max_new_tokens=1, parent=parent)
+    with pytest.raises(Pt2ServeError, match="ask the parent for prompt_logprobs"):
+        chunked_runner.submit([256, 1, 2], max_new_tokens=1, parent=parent, prompt_logprobs=0)
     parent.result(timeout=30)
 
 

@@ -263,7 +263,8 @@ class Executor:
             by_index = dict(piece)
             num_sampled = len(call.sampled_chunks)
             if num_sampled:
-                to_sample.append((logits[:num_sampled], call.sampled_chunks, [by_index[i] for i in call.sampled_chunks]))
+                rows = [by_index[i] for i in call.sampled_chunks]
+                to_sample.append((logits[:num_sampled], call.sampled_chunks, rows))
             if call.prompt_rows:
                 scored.append(self._score_prompt(logits[num_sampled:], call, by_index))
             calls.append(CallRecord(call.method, call.num_tokens))

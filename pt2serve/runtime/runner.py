@@ -240,6 +240,9 @@ class Runner:
         prompt_ids = self._prompt_ids(prompt)
         if parent is not None and parent.prompt_ids != prompt_ids:
             raise Pt2ServeError("a request shares its parent's cells only with the parent's prompt")
+        if parent is not None and prompt_logprobs is not None:
+            raise Pt2ServeError("a request that shares its parent's prompt does not compute it: ask the parent "
+                                "for prompt_logprobs")
         if max_new_tokens < 1:
             raise Pt2ServeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         for name, top in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -17,11 +16,11 @@ from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.errors import ApiError, bad_request
 from pt2serve.runtime.grammar import CompiledGrammar, GrammarSpec
-from pt2serve.runtime.logprobs import TokenLogprob
 from pt2serve.serve.generation import Generation
-from pt2serve.serve.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
-from pt2serve.serve.tool_calls import ToolCallStream, ToolUse, template_format
-from pt2serve.serve.openai_format import FINISH_REASONS, SSE_DONE, ChatFormat, Choice, CompletionFormat, Usage, sse
+from pt2serve.serve.logprob_format import TokenTexts
+from pt2serve.serve.rendering import Rendering
+from pt2serve.serve.tool_calls import ToolUse, template_format
+from pt2serve.serve.openai_format import FINISH_REASONS, SSE_DONE, ChatFormat, CompletionFormat, Usage, sse
 from pt2serve.serve.schemas import MAX_SESSION_ID_CHARS, GenerationRequest, parse_chat, parse_completion
 from pt2serve.serve.state import ServerState
 from pt2serve.serve.transport import EventStream, read_json, wait_for_disconnect
@@ -121,86 +120,6 @@ def _echo_text(runner: Runner, prompt: str | list[int], ids: list[int]) -> str:
     if isinstance(prompt, str):
         return prompt
     return runner.tokenizer.decode(ids) if runner.tokenizer is not None else ""
-
-
-@dataclass
-class Rendering:
-    """How a request's choices are written out: endpoint format, echo, logprobs, token ids."""
-
-    fmt: ChatFormat | CompletionFormat
-    texts: TokenTexts
-    prompts: list[list[int]]
-    echoed: list[str] | None  # per prompt, when echo was asked for
-    logprobs: bool
-    token_ids: bool
-    tool_use: ToolUse | None = None
-    # Per streamed choice that may call tools: its text so far, held back from where a call may begin.
-    streams: dict[int, ToolCallStream] = field(default_factory=dict)
-
-    @property
-    def chat(self) -> bool:
-        return isinstance(self.fmt, ChatFormat)
-
-    def choice(self, index: int, generation: Generation, reason: str) -> Choice:
-        text = generation.text
-        logprobs = None
-        if self.echoed is not None:
-            text = self.echoed[generation.prompt_index] + text
-        if self.logprobs:
-            logprobs = self.logprobs_of(generation, generation.logprobs, generation.token_ids, echo=True)
-        calls = None
-        if self.tool_use is not None:
-            text, found = self.tool_use.parse(text)
-            if found:
-                calls, reason = [call.body() for call in found], "tool_calls"
-        return Choice(index, text, reason, list(generation.token_ids) if self.token_ids else None, logprobs, calls)
-
-    def logprobs_of(self, generation: Generation, entries: list[TokenLogprob], tokens: list[int],
-                    echo: bool, text_offset: int = 0) -> dict[str, Any]:
-        """`entries` (of `tokens`) in the endpoint's shape; with `echo`, after the prompt's when it was scored."""
-        if self.chat:
-            return chat_logprobs(self.texts, entries)
-        scored = (generation.shares_prompt_of or generation).prompt_logprobs
-        if echo and scored is not None:
-            prompt = self.prompts[generation.prompt_index]
-            return completion_logprobs(self.texts, [None, *scored, *entries],
-                                       [*prompt, *tokens], text_offset)
-        return completion_logprobs(self.texts, list(entries), list(tokens), text_offset)
-
-    def stream_chunks(self, index: int, generation: Generation, event: StreamEvent, first: bool,
-                      include_usage: bool, text_offset: int) -> tuple[list[dict[str, Any]], int]:
-        """The chunks one token event adds (on a choice's first, the echoed prompt before it), and where the
-        choice's text goes on after them."""
-        chunks = []
-        if first and self.echoed is not None:
-            echoed = self.echoed[generation.prompt_index]
-            logprobs = self.logprobs_of(generation, [], [], echo=True) if self.logprobs else None
-            chunks.append(self.fmt.chunk(index, echoed, True, include_usage, logprobs))
-            first, text_offset = False, len(echoed)
-        logprobs = None
-        if self.logprobs and event.logprob is not None:
-            logprobs = self.logprobs_of(generation, [event.logprob], [event.token_id], False, text_offset)
-        text = event.text
-        if self.tool_use is not None:  # text from where a call may begin waits for finish_chunks
-            text = self.streams.setdefault(index, self.tool_use.stream()).feed(text)
-        chunks.append(self.fmt.chunk(index, text, first, include_usage, logprobs))
-        return chunks, text_offset + len(text)
-
-    def finish_chunks(self, index: int, reason: str, include_usage: bool) -> list[dict[str, Any]]:
-        """A finished choice's last chunks: with tools, the text held back or the calls it made, then the
-        finish reason."""
-        chunks = []
-        stream = self.streams.pop(index, None)
-        if stream is not None:
-            rest, calls = stream.finish(self.tool_use)
-            if rest:
-                chunks.append(self.fmt.chunk(index, rest, False, include_usage))
-            if calls:
-                chunks.append(self.fmt.tool_calls_chunk(index, [c.body(i) for i, c in enumerate(calls)],
-                                                        include_usage))
-                reason = "tool_calls"
-        chunks.append(self.fmt.finish_chunk(index, reason, include_usage))
-        return chunks
 
 
 def _sampling(runner: Runner, req: GenerationRequest, seed: int | None) -> SamplingParams:

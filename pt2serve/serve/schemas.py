@@ -129,7 +129,7 @@ class GenerationRequest:
     logprobs: int | None = None  # each generated token's log probability, with this many alternatives
     grammar: GrammarSpec | None = None  # what the output must match
     grammar_param: str | None = None  # the field that asked for it
-    tools: list[dict[str, Any]] | None = None  # chat: {"type": "function", "function": {name, description, parameters}}
+    tools: list[dict[str, Any]] | None = None  # chat: {"type": "function", "function": {name, parameters, ...}}
     tool_choice: str = "none"  # "none", "auto", "required", or the name of the one function to call
     parallel_tool_calls: bool = True
     echo: bool = False  # completions: the prompt's text (and its logprobs, with logprobs) before the completion
@@ -267,7 +267,7 @@ def _response_format(value: Any) -> GrammarSpec:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise Pt2ServeError("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            raise Pt2ServeError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
         return GrammarSpec("json_schema", schema_text(spec["schema"], "response_format.json_schema.schema"))
     raise Pt2ServeError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
@@ -327,7 +327,8 @@ def _logit_bias(value: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
     for key, bias in value.items():
         if not key.lstrip("-").isdigit():
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias", "invalid_value")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+        is_number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+        if not is_number or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise bad_request(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
                               f"{bias!r} for token {key}", "logit_bias", "invalid_value")
         pairs.append((int(key), float(bias)))
