@@ -66,8 +66,18 @@ def served(tiny_artifact):
     from pt2serve.runtime.engine import open_runner
 
     runner = open_runner(tiny_artifact, device="cpu")
-    thread = ServerThread(create_app(ServerConfig(model_name=MODEL), runner)).start()
-    yield thread.url, runner
+    app = create_app(ServerConfig(model_name=MODEL), runner)
+    batches: list[int] = []  # prompts per completions request, as lm-eval sends them
+
+    @app.middleware("http")
+    async def count_prompts(request, call_next):
+        if request.url.path == "/v1/completions":
+            prompt = json.loads(await request.body()).get("prompt")
+            batches.append(len(prompt) if isinstance(prompt, list) and isinstance(prompt[0], (list, str)) else 1)
+        return await call_next(request)
+
+    thread = ServerThread(app).start()
+    yield thread.url, runner, batches
     thread.stop()
     runner.close()
 
@@ -79,7 +89,7 @@ def test_local_completions_loglikelihoods_equal_the_models(served, tmp_path, mon
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    url, runner = served
+    url, runner, batches = served
     write_tasks(tmp_path / "tasks")
     write_tokenizer(tmp_path / "tokenizer")
     lm = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=MODEL, tokenizer=str(tmp_path / "tokenizer"),
@@ -99,6 +109,7 @@ def test_local_completions_loglikelihoods_equal_the_models(served, tmp_path, mon
             expected = sum(logp[len(context_ids) - 1 + k, t].item() for k, t in enumerate(continuation_ids))
             assert abs(loglikelihood - expected) < 1e-4, (context, continuation, loglikelihood, expected)
     assert "acc,none" in results["results"]["toy_mc"]
+    assert max(batches) == 4  # batch_size 4: lists of four prompts per request
 
     generated = results["samples"]["toy_gen"]
     assert len(generated) == len(QUESTIONS)

@@ -347,10 +347,12 @@ def test_oversized_body_and_unknown_route(server):
     huge = json.dumps({"model": MODEL, "prompt": "x" * (5 * 1024 * 1024)}).encode()
     response = httpx.post(f"{server}{COMPLETIONS}", content=huge, headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and "larger than" in response.json()["error"]["message"]
+    assert response.json()["error"]["code"] == "request_too_large"
     missing = httpx.get(f"{server}/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
+    assert missing.json()["error"]["code"] == "not_found"
     wrong_method = httpx.get(f"{server}{COMPLETIONS}")
-    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_server_is_healthy_after_bad_requests(server, client):

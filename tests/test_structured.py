@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 
 import pytest
 
@@ -77,6 +78,17 @@ def test_a_bad_grammar_is_refused_at_submit(chunked_runner):
         chunked_runner.submit([256, 1], grammar=GrammarSpec("regex", "(unclosed"))
     with pytest.raises(Pt2ServeError, match="cannot be compiled"):
         chunked_runner.submit([256, 1], grammar=GrammarSpec("ebnf", "root ::= undefined_rule"))
+
+
+def test_without_xgrammar_or_a_tokenizer_structured_output_is_refused(monkeypatch):
+    from pt2serve.model.presets import byte_tokenizer_files
+    from pt2serve.runtime.grammar import GrammarCompiler
+
+    with pytest.raises(Pt2ServeError, match="needs the model's tokenizer"):
+        GrammarCompiler(None, 258, ()).compile(GrammarSpec("json"))
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if it were not installed
+    with pytest.raises(Pt2ServeError, match=r"pip install 'pt2serve\[structured\]'"):
+        GrammarCompiler(byte_tokenizer_files().tokenizer_json, 258, (257,)).compile(GrammarSpec("json"))
 
 
 def test_masks_change_what_is_sampled(chunked_runner, monkeypatch):

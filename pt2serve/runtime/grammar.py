@@ -41,14 +41,6 @@ class GrammarSpec:
             raise ValueError(f"unknown grammar kind {self.kind!r}")
 
 
-def is_available() -> bool:
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class GrammarCompiler:
     """Compiles GrammarSpecs for one tokenizer (thread-safe; built on first use, which costs about a second)."""
 

@@ -10,6 +10,11 @@ a prompt row (its target is the prompt's next token, known on the host: `echo` w
 
 The values are those of the model's own distribution, log_softmax of the raw logits, before temperature,
 penalties or masks (as OpenAI and vLLM report them): a request gets the same numbers at any temperature.
+
+This runs as plain torch operations on the device (log_softmax, gather, topk: a few kernels, no host sync),
+not as compiled artifact methods: they are the same for every model, need nothing from AOTInductor, and so
+every artifact, old ones included, serves them (the artifact format is unchanged). The same holds for the
+logits controls (logits.py) and grammar masks (grammar.py).
 """
 
 from __future__ import annotations
