@@ -180,6 +180,12 @@ def parse_chat(data: Any) -> GenerationRequest:
                     parallel_tool_calls=body.parallel_tool_calls is not False)
 
 
+# Fields of the other endpoint: a client that sends one here expects its effect.
+CHAT_ONLY = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
+                       "max_completion_tokens"})
+COMPLETIONS_ONLY = frozenset({"prompt", "echo", "suffix", "best_of"})
+
+
 def _validate(model: type[BaseModel], data: Any) -> Any:
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_body")
@@ -190,7 +196,8 @@ def _validate(model: type[BaseModel], data: Any) -> Any:
         param = ".".join(str(part) for part in first["loc"]) or None
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, "invalid_value") from None
     extra = sorted(body.model_extra or ())
-    refused = [name for name in extra if name in REFUSED_EXTENSIONS]
+    elsewhere = CHAT_ONLY if model is _CompletionBody else COMPLETIONS_ONLY
+    refused = [name for name in extra if name in REFUSED_EXTENSIONS or name in elsewhere]
     if refused:
         raise _unsupported(refused[0])
     unknown = [name for name in extra if name not in NO_EFFECT_FIELDS]
@@ -200,7 +207,11 @@ def _validate(model: type[BaseModel], data: Any) -> Any:
 
 
 def _unsupported(param: str, message: str | None = None) -> ApiError:
-    return bad_request(message or f"{param} is not supported by this server", param, "unsupported_parameter")
+    if message is None:
+        where = ("on /v1/completions" if param in CHAT_ONLY else "on /v1/chat/completions"
+                 if param in COMPLETIONS_ONLY else "by this server")
+        message = f"{param} is not supported {where}"
+    return bad_request(message, param, "unsupported_parameter")
 
 
 def _request(body: _Common, *, max_tokens: int | None, prompts=None, messages=None, logprobs: int | None = None,
