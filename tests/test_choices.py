@@ -80,3 +80,25 @@ def test_n_choices_over_http_equal_their_seeds_alone(chunked_client):
             texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
     full = client.chat.completions.create(**chat)
     assert texts == {c.index: c.message.content for c in full.choices}
+
+
+def test_a_child_whose_parent_fails_computes_its_prompt_itself(chunked_runner, monkeypatch):
+    prompt = [256, *range(30, 40)]  # one prefill chunk
+    params = SamplingParams(temperature=1.0, seed=21)
+    alone = chunked_runner.generate(prompt, max_new_tokens=6, ignore_eos=True, sampling=params)
+    launch = chunked_runner.executor.launch
+    calls = []
+
+    def fail_first(chunks):
+        calls.append(len(chunks))
+        if len(calls) == 1:
+            raise RuntimeError("the parent's prompt step failed")
+        return launch(chunks)
+
+    monkeypatch.setattr(chunked_runner.executor, "launch", fail_first)
+    parent = chunked_runner.submit(prompt, max_new_tokens=6, ignore_eos=True, sampling=params)
+    child = chunked_runner.submit(prompt, max_new_tokens=6, ignore_eos=True, sampling=params, parent=parent)
+    assert parent.result(timeout=30).finish_reason is FinishReason.ERROR
+    done = child.result(timeout=30)
+    assert done.finish_reason is FinishReason.LENGTH and done.token_ids == alone.token_ids
+    assert done.stats.reused_tokens == 0  # nothing shared from a prompt that was never computed

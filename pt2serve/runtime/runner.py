@@ -363,17 +363,16 @@ class Runner:
     def _launch_next(self) -> _InFlight | None:
         """Plan the next step and queue it on the device; None when nothing could be scheduled."""
         plan = self.scheduler.plan()
-        if self._held:
+        launched = None
+        if plan.chunks:
+            started = time.perf_counter()
+            try:
+                launched = _InFlight(plan, self.executor.launch(self.scheduler.executor_chunks(plan)), started)
+            except Exception as err:  # a failing step fails its requests, not the engine
+                self._fail_step(plan, err)
+        if self._held:  # after the launch: a parent whose prompt step failed is gone, not forked from
             self._fork_held()
-        if not plan.chunks:
-            return None
-        started = time.perf_counter()
-        try:
-            pending = self.executor.launch(self.scheduler.executor_chunks(plan))
-        except Exception as err:  # a failing step fails its requests, not the engine
-            self._fail_step(plan, err)
-            return None
-        return _InFlight(plan, pending, started)
+        return launched
 
     def _sample_constrained(self, step: _InFlight) -> _InFlight | None:
         """Queue the sampling of a step with grammar-constrained rows, each masked by its matcher as it stands
