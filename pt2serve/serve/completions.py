@@ -111,7 +111,7 @@ def _compile_grammar(runner: Runner, req: GenerationRequest, tool_use: ToolUse |
     try:
         return runner.grammars.compile(spec)
     except Pt2ServeError as err:
-        raise bad_request(str(err), "tool_choice" if schema is not None else req.grammar_param,
+        raise bad_request(str(err), "tools" if schema is not None else req.grammar_param,
                           "invalid_grammar") from None
 
 
