@@ -44,7 +44,11 @@ def export_command(
     use_offgraph_kv_cache: bool = typer.Option(
         False, "--use-offgraph-kv-cache", help="Keep the KV pool outside the graph (required: the batching contract)."
     ),
-    checkpoint: Optional[Path] = typer.Option(None, help="Hugging Face-format checkpoint directory."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Hugging Face-format checkpoint directory, or a Hub id "
+                                              "(ORG/NAME) read through the Hugging Face cache."),
+    revision: Optional[str] = typer.Option(None, help="Branch, tag or commit of a Hub checkpoint (default: main)."),
+    hf_token: Optional[str] = typer.Option(None, help="Hugging Face token for gated or private checkpoints "
+                                           "(default: HF_TOKEN or the saved login)."),
     preset: Optional[str] = typer.Option(None, help="Built-in model with generated weights (e.g. tiny)."),
     dtype: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: bf16 on cuda, fp32 on cpu)."),
     attention: Optional[str] = typer.Option(
@@ -97,7 +101,7 @@ def export_command(
         forward_sizes=parse_sizes(forward_sizes), max_step_tokens=max_step_tokens, max_cells=max_cells,
         max_context=max_context, graph_entries=graph_entries, min_prefill_chunk=min_prefill_chunk, jobs=jobs,
         device_index=device_index, quantize=quantize, group_size=group_size, quantize_lm_head=quantize_lm_head,
-        quantize_embedding=quantize_embedding,
+        quantize_embedding=quantize_embedding, revision=revision, hf_token=hf_token,
     )
     try:
         summary = export(options)

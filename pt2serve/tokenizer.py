@@ -61,6 +61,7 @@ class Tokenizer:
             raise Pt2ServeError(f"tokenizer.json could not be parsed: {err}") from None
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
+        env.filters["tojson"] = _tojson
         self._chat = env.from_string(files.chat_template or PLAIN_CHAT_TEMPLATE)
 
     @property
@@ -81,22 +82,35 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for a chat; a checkpoint's template writes bos itself when it wants one."""
+    def token_text(self, token: int) -> str:
+        """One token's own text, special tokens included (what logprobs name a token by)."""
+        return self._tok.decode([token], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for a chat (and the tools it may call); the template adds bos itself when it wants one."""
+        extra = {"tools": tools} if tools is not None else {}
         try:
-            return self._chat.render(messages=messages, add_generation_prompt=True, **self.files.special_tokens)
+            return self._chat.render(messages=messages, add_generation_prompt=True, **extra,
+                                     **self.files.special_tokens)
         except jinja2.TemplateError as err:
             raise Pt2ServeError(f"chat template failed: {err}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # As transformers' apply_chat_template: a checkpoint's template writes every special token the
         # model wants (a ChatML template on a tokenizer with a bos gets none); the plain fallback writes
         # none, so the prompt starts with bos as encoded text does.
-        return self.encode(self.render_chat(messages), add_bos=self.files.chat_template is None)
+        return self.encode(self.render_chat(messages, tools), add_bos=self.files.chat_template is None)
 
 
 def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """As transformers renders chat templates: plain JSON (jinja's own tojson escapes <, > and & for HTML,
+    which would change the prompt a model was trained on)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class IncrementalDecoder:

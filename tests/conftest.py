@@ -23,6 +23,7 @@ import pytest  # noqa: E402
 
 from pt2serve.export.exporter import export  # noqa: E402
 from pt2serve.export.options import ExportOptions  # noqa: E402
+from pt2serve.model.presets import build_preset_model  # noqa: E402
 from pt2serve.runtime.engine import open_runner  # noqa: E402
 from pt2serve.runtime.executor import ExecutorConfig  # noqa: E402
 from pt2serve.runtime.runner import RunnerConfig  # noqa: E402
@@ -95,6 +96,37 @@ def toy_runner(toy_artifact):
                          runner_config=RunnerConfig(token_budget=64))
     yield runner
     runner.close()
+
+
+@pytest.fixture(scope="module")
+def chunked_runner(tiny_artifact):
+    """The tiny artifact behind a small step budget: prompts prefill in several chunks beside others' decodes."""
+    runner = open_runner(tiny_artifact, device="cpu",
+                         runner_config=RunnerConfig(token_budget=16, min_prefill_chunk=4))
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def chunked_url(chunked_runner):
+    """The URL of a server over `chunked_runner`, serving it as "tiny"."""
+    thread = served(chunked_runner, "tiny")
+    yield thread.url
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def chunked_client(chunked_url):
+    """The openai client of the server over `chunked_runner`."""
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=f"{chunked_url}/v1", api_key="x", timeout=60, max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """The tiny preset's eager model (the weights its exports hold), in fp32."""
+    return build_preset_model("tiny", torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

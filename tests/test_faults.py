@@ -49,7 +49,7 @@ def wait_until_idle(runner, timeout_s: float = 30) -> None:
 
 def slow_steps(runner, monkeypatch, seconds: float = 0.01) -> None:
     """Each engine step takes at least `seconds`, so a long request is surely running when a test acts."""
-    launch = runner.executor.launch
+    launch = runner.executor.launch  # what the runner calls (step() is launch then wait)
 
     def slow_launch(chunks):
         time.sleep(seconds)

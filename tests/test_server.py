@@ -332,7 +332,7 @@ def test_a_chat_reuses_every_earlier_turn_though_its_replies_come_back_as_text(s
 # -- bad input -----------------------------------------------------------------------------------------------
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-OK = {"model": MODEL, "prompt": "hi"}
+OK = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 
 BAD_REQUESTS = [
     # (path, body: dict for JSON or bytes as sent, status, message substring, param)
@@ -348,7 +348,8 @@ BAD_REQUESTS = [
     (COMPLETIONS, {**OK, "top_p": 0}, 400, "greater than 0", "top_p"),
     (COMPLETIONS, {**OK, "top_p": 1.5}, 400, "less than or equal to 1", "top_p"),
     (COMPLETIONS, {**OK, "top_k": -1}, 400, "greater than or equal to 0", "top_k"),
-    (COMPLETIONS, {**OK, "n": 2}, 400, "only n=1", "n"),
+    (COMPLETIONS, {**OK, "n": 129}, 400, "less than or equal to 128", "n"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ["a"] * 65, "n": 2}, 400, "more than 128 choices", "n"),
     (COMPLETIONS, {**OK, "stream": "yes"}, 400, "valid boolean", "stream"),
     (COMPLETIONS, {**OK, "stop": [1, 2]}, 400, "stop must be", "stop"),
     (COMPLETIONS, {**OK, "stop": [str(i) for i in range(17)]}, 400, "at most 16 stop strings", "stop"),
@@ -364,10 +365,34 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": [1, True]}, 400, "list of integer token ids", "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": [1, VOCAB]}, 400, "outside the vocabulary", "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": [-1]}, 400, "outside the vocabulary", "prompt"),
-    (COMPLETIONS, {"model": MODEL, "prompt": ["a", "b"]}, 400, "only one prompt", "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ["a", ""]}, 400, "must not be empty", "prompt.1"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ["a", [1, VOCAB]]}, 400, "outside the vocabulary", "prompt.1"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ["a"] * 257}, 400, "at most 256 prompts", "prompt"),
+    (COMPLETIONS, {**OK, "min_p": 0.1}, 400, "min_p is not supported", "min_p"),
+    (COMPLETIONS, {**OK, "tools": []}, 400, "tools is not supported on /v1/completions", "tools"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
+     "echo is not supported on /v1/chat/completions", "echo"),
+    (COMPLETIONS, {**OK, "guided_regex": "(a"}, 400, "the regex cannot be compiled", "guided_regex"),
+    (COMPLETIONS, {**OK, "guided_json": "{no"}, 400, "guided_json is not valid JSON", "guided_json"),
+    (COMPLETIONS, {**OK, "guided_choice": []}, 400, "non-empty list", "guided_choice"),
+    (COMPLETIONS, {**OK, "guided_regex": "a", "guided_grammar": "root ::= \"a\""}, 400, "at most one of",
+     "guided_grammar"),
+    (COMPLETIONS, {**OK, "structured_outputs": {"regex": "a"}}, 400, "structured_outputs is not supported",
+     "structured_outputs"),
     (COMPLETIONS, b'{"prompt": "a\\ud800"}', 400, "not valid Unicode", "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": [7] * 300}, 400, "context", "prompt"),
-    (COMPLETIONS, {**OK, "echo": True}, 400, "echo is not supported", "echo"),
+    (COMPLETIONS, {**OK, "logit_bias": {"a": 1}}, 400, "keys must be token ids", "logit_bias"),
+    (COMPLETIONS, {**OK, "logit_bias": {"5": 101}}, 400, "values must be numbers in [-100, 100]", "logit_bias"),
+    (COMPLETIONS, {**OK, "logit_bias": {str(VOCAB): 1}}, 400, "outside the vocabulary", "logit_bias"),
+    (COMPLETIONS, {**OK, "presence_penalty": 2.5}, 400, "less than or equal to 2", "presence_penalty"),
+    (COMPLETIONS, {**OK, "repetition_penalty": 0}, 400, "greater than 0", "repetition_penalty"),
+    (COMPLETIONS, {**OK, "min_tokens": -1}, 400, "greater than or equal to 0", "min_tokens"),
+    (COMPLETIONS, {**OK, "logprobs": 21}, 400, "logprobs must be an integer in [0, 20]", "logprobs"),
+    (COMPLETIONS, {**OK, "logprobs": True}, 400, "logprobs must be an integer", "logprobs"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs needs logprobs", "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400,
+     "logprobs must be true or false", "logprobs"),
     (COMPLETIONS, {**OK, "stream_options": {"include_usage": True}}, 400, "only allowed with stream",
      "stream_options"),
     (COMPLETIONS, {**OK, "session_id": ""}, 400, "at least 1 character", "session_id"),
@@ -377,8 +402,25 @@ BAD_REQUESTS = [
      "messages.0.role"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "string or a list of text parts",
      "messages.0.content"),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "only n=1", "n"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "greater than or equal", "n"),
     (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "not valid Unicode", "messages.0.content"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     400, "response_format type must be", "response_format"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+     "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}},
+     400, "cannot be compiled", "response_format"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     400, "tool_choice needs tools", "tool_choice"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
+     "function": {"name": "f"}}]}, 400, "chat template takes no tools", "tools"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
+     "function": {"name": "bad name"}}]}, 400, "with a name of letters", "tools.0"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4",
+     "tool_call_id": "1"}]}, 400, "chat template takes no tools", "messages.1"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]},
+     400, "tool_call_id must be", "messages.1.tool_call_id"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+     400, "must be {", "messages.0.tool_calls.0"),
 ]
 
 
@@ -392,6 +434,7 @@ def test_bad_request(server, path, body, status, message, param):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"], error  # every 4xx says what kind of error it is
     assert message in error["message"], error
     assert error["param"] == param
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
@@ -403,10 +446,12 @@ def test_oversized_body_and_unknown_route(server):
     response = httpx.post(f"{server}{COMPLETIONS}", content=huge, headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and "larger than" in response.json()["error"]["message"]
     before = metrics(server)
+    assert response.json()["error"]["code"] == "request_too_large"
     missing = httpx.get(f"{server}/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
+    assert missing.json()["error"]["code"] == "not_found"
     wrong_method = httpx.get(f"{server}{COMPLETIONS}")
-    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
     after = metrics(server)
     for status in (404, 405):
         key = f'pt2serve_requests_rejected_total{{status="{status}"}}'

@@ -18,7 +18,9 @@ from pt2serve.model.presets import byte_tokenizer_files, toy_greedy_continuation
 from pt2serve.runtime.request import FinishReason
 from pt2serve.runtime.runner import StreamEvent
 from pt2serve.serve.completions import _stream
+from pt2serve.serve.logprob_format import TokenTexts
 from pt2serve.serve.openai_format import CompletionFormat
+from pt2serve.serve.rendering import Rendering
 from pt2serve.tokenizer import IncrementalDecoder, Tokenizer
 from servers import TOY_MODEL
 
@@ -187,12 +189,16 @@ def test_a_cut_stream_still_sends_the_text_held_back():
     class CutGeneration:
         error = None
 
+        def cancel(self) -> None:  # a bad end cancels the request's other choices
+            pass
+
         async def event_batches(self):
             yield [StreamEvent(0xE2, "")]  # the first byte of a 3-byte character: held back
             yield [StreamEvent(None, "\ufffd", FinishReason.CANCELLED)]
 
     async def collect() -> list[str]:
-        return [part.decode() async for part in _stream(CutGeneration(), CompletionFormat(MODEL), False)]
+        render = Rendering(CompletionFormat(MODEL), TokenTexts(TOKENIZER), [[0]], None, False, False)
+        return [part.decode() async for part in _stream([CutGeneration()], render, False)]
 
     events = [event + "\n\n" for part in asyncio.run(collect()) for event in part.split("\n\n") if event]
     texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]]

@@ -18,6 +18,7 @@ from pt2serve.export.options import ExportOptions
 from pt2serve.export.toolchain import libstdcxx_mismatch, warn_about
 from pt2serve.export.package import weight_entries, weights_hash, write_package
 from pt2serve.model.checkpoint import load_model
+from pt2serve.model.hub import resolve_checkpoint
 from pt2serve.model.model import Transformer
 from pt2serve.model.quant import describe_quantization
 
@@ -37,7 +38,10 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     mismatch = libstdcxx_mismatch()
     if mismatch:
         warn_about(mismatch)
-    checkpoint = str(options.checkpoint) if options.checkpoint is not None else None
+    resolved = None
+    if options.checkpoint is not None:
+        resolved = resolve_checkpoint(str(options.checkpoint), options.revision, options.hf_token)
+    checkpoint = str(resolved.path) if resolved is not None else None
     loaded = load_model(
         checkpoint, options.preset, options.torch_dtype, options.device, options.attention_impl, options.quant_scheme
     )
@@ -67,6 +71,9 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
             progress.update()
     weights = model_weights(model)
     metadata = build_metadata(options, config.to_dict(), max_context, specs, internal, weights, tokenizer)
+    metadata["generation_defaults"] = loaded.generation_defaults
+    if resolved is not None:
+        metadata["source"] = resolved.source
     metadata["built_with"]["libstdcxx_mismatch"] = mismatch
     metadata["quantization"] = describe_quantization(model, loaded.quantization_method)
     write_package(options.output, aoti_files, weights, metadata, tokenizer.tokenizer_json if tokenizer else None)

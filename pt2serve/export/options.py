@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +44,8 @@ class ExportOptions:
     group_size: int | None = None  # None: the scheme's default (int4: 128, int8: one group per row)
     quantize_lm_head: bool = False
     quantize_embedding: bool = False
+    revision: str | None = None  # of a Hugging Face Hub checkpoint (a branch, tag or commit)
+    hf_token: str | None = field(default=None, repr=False)  # None: HF_TOKEN or the saved login
 
     @property
     def quant_scheme(self) -> QuantScheme | None:
@@ -107,7 +109,7 @@ class ExportOptions:
                 raise Pt2ServeError("--attention kernel needs the triton package: pip install triton, "
                                     "or export with --attention masked")
         if (self.checkpoint is None) == (self.preset is None):
-            raise Pt2ServeError("give exactly one of --checkpoint DIR or --preset NAME")
+            raise Pt2ServeError("give exactly one of --checkpoint DIR|ORG/NAME or --preset NAME")
         sizes = self.forward_sizes
         if not sizes or any(n < 1 for n in sizes):
             raise Pt2ServeError(f"--forward-sizes must be positive integers, got {','.join(map(str, sizes))}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ class Checkpoint:
     tokenizer: TokenizerFiles | None  # None when the directory has no tokenizer.json
     source: str  # the directory it came from
     quantization: CheckpointQuantization | None = None  # a GPTQ or AWQ checkpoint's quantization_config
+    generation_defaults: dict[str, float] = field(default_factory=dict)  # see read_generation_defaults
 
 
 def load_checkpoint(
@@ -76,7 +77,7 @@ def load_checkpoint(
     model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
     model.eval()
     return Checkpoint(config=config, model=model, tokenizer=read_tokenizer(root), source=str(root),
-                      quantization=quantization)
+                      quantization=quantization, generation_defaults=read_generation_defaults(root))
 
 
 def _tensor_names(file: Path) -> list[str]:
@@ -90,6 +91,7 @@ class LoadedModel:
     model: Transformer  # eval mode
     tokenizer: TokenizerFiles | None
     quantization_method: str | None  # "rtn" (quantized here), "gptq" or "awq" (the checkpoint's), None: float
+    generation_defaults: dict[str, float] = field(default_factory=dict)
 
 
 def load_model(
@@ -109,20 +111,21 @@ def load_model(
     if checkpoint is not None:
         loaded = load_checkpoint(checkpoint, dtype, device, attention)
         config, model, tokenizer = loaded.config, loaded.model, loaded.tokenizer
+        defaults = loaded.generation_defaults
         method = loaded.quantization.method if loaded.quantization is not None else None
     else:
         # Imported here: presets build random weights and tokenizers this module otherwise has no use for.
         from pt2serve.model.presets import build_preset_model, get_preset
 
         found = get_preset(preset)
-        config, tokenizer, method = found.config, found.tokenizer, None
+        config, tokenizer, method, defaults = found.config, found.tokenizer, None, {}
         model = build_preset_model(preset, dtype, device, attention).eval()
     if quantize is not None:
         if method is not None:
             raise Pt2ServeError(f"the checkpoint is already {method}-quantized; export it without --quantize")
         quantize_model(model, quantize)
         method = "rtn"
-    return LoadedModel(config, model, tokenizer, method)
+    return LoadedModel(config, model, tokenizer, method, defaults)
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -252,6 +255,27 @@ def _is_skipped(key: str, cfg: ModelConfig) -> bool:
 
 def _hf_name(name: str) -> str:
     return name if name == "lm_head.weight" else f"model.{name}"
+
+
+# What a checkpoint's generation_config.json may set that a request can leave out, and each one's range.
+GENERATION_DEFAULTS = {"temperature": (0.0, 100.0), "top_p": (1e-6, 1.0), "top_k": (0, 1 << 30),
+                       "repetition_penalty": (1e-6, 10.0)}
+
+
+def read_generation_defaults(root: Path) -> dict[str, float]:
+    """The sampling defaults the checkpoint's authors chose (generation_config.json), for requests that say
+    nothing; values of the wrong type or out of range are refused with a message."""
+    gen_config = _optional_json(root / "generation_config.json")
+    defaults = {}
+    for name, (low, high) in GENERATION_DEFAULTS.items():
+        value = gen_config.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise Pt2ServeError(f"{root / 'generation_config.json'}: {name} must be a number in [{low}, {high}], "
+                                f"got {value!r}")
+        defaults[name] = value
+    return defaults
 
 
 def read_tokenizer(root: Path) -> TokenizerFiles | None:

@@ -8,13 +8,17 @@ from pinned memory, sampled ids come down into pinned memory behind an event); `
 waits for the ids. So a caller can plan and launch step n+1 while step n runs. A decode whose token is
 step n's sample for its sequence names that sample (Chunk.previous_sample) and the executor copies the
 id into step n+1's inputs on the device, in stream order.
+
+A step that samples for a grammar-constrained chunk (Chunk.grammar) returns a DeferredSampling after its
+forward: its caller reads the previous step's ids meanwhile, fills the token masks, and then queues the
+sampling (see grammar.py).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -29,7 +33,10 @@ from pt2serve.runtime.cells import (
     cells_that_fit,
     check_pool_fits,
 )
+from pt2serve.runtime.grammar import apply_masks, bitmask_words
 from pt2serve.runtime.graphs import capture_all
+from pt2serve.runtime.logits import LogitsProcessor
+from pt2serve.runtime.logprobs import ScoredRows, TokenLogprob, score
 from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, regions, slice_step
 
 
@@ -71,23 +78,36 @@ class StepResult:
     tokens: tuple[int | None, ...]  # per chunk: the sampled next token, None where none was asked for
     calls: tuple[CallRecord, ...]
     device_seconds: float | None = None  # the step's time on the GPU (CUDA events); None on the CPU
+    # Per chunk, where asked for: the sampled token's log probability, and the scored prompt rows' in order.
+    logprobs: tuple[TokenLogprob | None, ...] = ()
+    prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class _ScoredPrompt:
+    rows: ScoredRows
+    targets: list[int]  # each row's target token
 
 
 class PendingStep:
     """A launched step: its device work is queued; result() waits for the sampled ids (one host sync)."""
 
-    def __init__(self, num_chunks: int, calls: tuple[CallRecord, ...], sampled: list[int],
-                 ids: torch.Tensor | None, started: torch.cuda.Event | None) -> None:
-        self._num_chunks = num_chunks
+    def __init__(self, chunks: list[Chunk], calls: tuple[CallRecord, ...], sampled: list[int],
+                 ids: torch.Tensor | None, started: torch.cuda.Event | None,
+                 scored: list[ScoredRows | _ScoredPrompt] = ()) -> None:
+        self._chunks = chunks
         self._calls = calls
         self._sampled = sampled  # the chunk index of each row of ids
         self._started = started
         self._ended: torch.cuda.Event | None = None
-        self._host_ids = ids
-        if started is not None:  # CUDA: copy the ids down behind the queued work
-            if ids is not None:
-                self._host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-                self._host_ids.copy_(ids, non_blocking=True)
+        self._scored = scored  # sampled rows' (ScoredRows) and prompt rows' (_ScoredPrompt) log probabilities
+        downloads = [ids] if ids is not None else []
+        downloads += [t for block in scored for t in _rows(block).tensors]
+        self._host = downloads
+        if started is not None:  # CUDA: copy everything down behind the queued work, in one sync
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in downloads]
+            for host, device in zip(self._host, downloads):
+                host.copy_(device, non_blocking=True)
             self._ended = torch.cuda.Event(enable_timing=True)
             self._ended.record()
 
@@ -96,11 +116,71 @@ class PendingStep:
         if self._ended is not None:
             self._ended.synchronize()
             device_seconds = self._started.elapsed_time(self._ended) / 1e3
-        tokens: list[int | None] = [None] * self._num_chunks
-        if self._host_ids is not None:
-            for index, token in zip(self._sampled, self._host_ids.tolist()):
+        num_chunks = len(self._chunks)
+        tokens: list[int | None] = [None] * num_chunks
+        host = list(self._host)
+        if self._sampled:
+            for index, token in zip(self._sampled, host.pop(0).tolist()):
                 tokens[index] = token
-        return StepResult(tuple(tokens), self._calls, device_seconds)
+        if not self._scored:
+            return StepResult(tuple(tokens), self._calls, device_seconds)
+        logprobs: list[TokenLogprob | None] = [None] * num_chunks
+        prompt: list[list[TokenLogprob]] = [[] for _ in range(num_chunks)]
+        for block in self._scored:
+            rows = _rows(block)
+            count = len(rows.tensors)
+            values, host = host[:count], host[count:]
+            if isinstance(block, _ScoredPrompt):
+                for chunk, row in zip(rows.chunks, rows.read(values, block.targets)):
+                    prompt[chunk].append(row)
+            else:
+                for chunk, row in zip(rows.chunks, rows.read(values, [tokens[c] for c in rows.chunks])):
+                    logprobs[chunk] = row
+        return StepResult(tuple(tokens), self._calls, device_seconds, tuple(logprobs),
+                          tuple(tuple(rows) for rows in prompt))
+
+
+def _rows(block: ScoredRows | _ScoredPrompt) -> ScoredRows:
+    return block.rows if isinstance(block, _ScoredPrompt) else block
+
+
+@dataclass(frozen=True)
+class _Forwarded:
+    """A step whose forwards are queued: the sampled rows' logits per call, still on the device."""
+
+    chunks: list[Chunk]
+    calls: tuple[CallRecord, ...]
+    to_sample: list[tuple[torch.Tensor, tuple[int, ...], list[Chunk]]]  # (logits, chunk indices, chunks) per call
+    scored: list[_ScoredPrompt]
+    started: torch.cuda.Event | None
+
+
+class DeferredSampling:
+    """A launched step with grammar-constrained rows: its forward is queued, its sampling waits for masks.
+
+    Nothing else may run on the executor before sample(): the logits live in the forward's output buffer.
+    """
+
+    def __init__(self, executor: "Executor", step: _Forwarded) -> None:
+        self._executor = executor
+        self._step = step
+
+    def sample(self, fill: Callable[[int, torch.Tensor, int], None]) -> PendingStep:
+        """Queue the sampling; fill(chunk index, bitmask, row) writes each constrained row's allowed tokens
+        into a pinned int32 bitmask whose rows start all-allowed. It goes up without waiting."""
+        executor = self._executor
+        num_rows = sum(len(rows) for _, _, rows in self._step.to_sample)
+        pinned = executor.device.type == "cuda"
+        bitmask = torch.full((num_rows, bitmask_words(executor.artifact.metadata.vocab_size)), -1,
+                             dtype=torch.int32, pin_memory=pinned)
+        row = 0
+        for _, indices, rows in self._step.to_sample:
+            for index, chunk in zip(indices, rows):
+                if chunk.grammar:
+                    fill(index, bitmask, row)
+                row += 1
+        device_mask = bitmask.to(executor.device, non_blocking=True) if pinned else bitmask
+        return executor._sample_step(self._step, device_mask)
 
 
 @dataclass(frozen=True)
@@ -130,6 +210,7 @@ class Executor:
             )
         self.pools = [*k_pools, *v_pools]
         self.allocator = CellAllocator(num_cells)
+        self.logits_processor = LogitsProcessor(meta.vocab_size, self.device, self._to_device)
         self._previous_ids: torch.Tensor | None = None
         self._previous_rows: dict[int, int] = {}
         free_before = _free_device_bytes(self.device)
@@ -194,26 +275,63 @@ class Executor:
         """Run one step and wait for it; the chunks' cells must already be allocated (K/V are written here)."""
         return self.launch(chunks).result()
 
-    def launch(self, chunks: list[Chunk]) -> PendingStep:
-        """Queue one step's device work; returns before it runs (on the CPU, after it ran)."""
+    def launch(self, chunks: list[Chunk]) -> PendingStep | DeferredSampling:
+        """Queue one step's device work; returns before it runs (on the CPU, after it ran). A step that samples
+        for a grammar-constrained chunk returns after its forward: its sampling waits for the token masks."""
         started = None
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        outputs, sampled, calls = [], [], []
+        to_sample, calls, scored = [], [], []
         for piece, call in self.method_calls(chunks):
             logits = self._forward(call)
-            if call.sampled_chunks:
-                by_index = dict(piece)
+            by_index = dict(piece)
+            num_sampled = len(call.sampled_chunks)
+            if num_sampled:
                 rows = [by_index[i] for i in call.sampled_chunks]
-                outputs.append(self._sample(logits[: len(rows)], rows))
-                sampled.extend(call.sampled_chunks)
+                to_sample.append((logits[:num_sampled], call.sampled_chunks, rows))
+            if call.prompt_rows:
+                scored.append(self._score_prompt(logits[num_sampled:], call, by_index))
             calls.append(CallRecord(call.method, call.num_tokens))
+        step = _Forwarded(chunks, tuple(calls), to_sample, scored, started)
+        if any(chunk.grammar for _, _, rows in to_sample for chunk in rows):
+            return DeferredSampling(self, step)
+        return self._sample_step(step, None)
+
+    def _sample_step(self, step: _Forwarded, bitmask: torch.Tensor | None) -> PendingStep:
+        """Queue the sampling of a forwarded step (`bitmask`: allowed tokens per sampled row, or None)."""
+        outputs, sampled, scored = [], [], list(step.scored)
+        for logits, indices, rows in step.to_sample:
+            mask, bitmask = (bitmask[: len(rows)], bitmask[len(rows):]) if bitmask is not None else (None, None)
+            ids = self._sample(logits, rows, mask)
+            outputs.append(ids)
+            sampled.extend(indices)
+            scored += self._score_sampled(logits, ids, indices, rows)
         ids = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)) if outputs else None
         # What a placeholder in the next step reads: this step's ids, by chunk index.
         self._previous_ids = ids
         self._previous_rows = {chunk: row for row, chunk in enumerate(sampled)}
-        return PendingStep(len(chunks), tuple(calls), sampled, ids, started)
+        return PendingStep(step.chunks, step.calls, sampled, ids, step.started, scored)
+
+    def _score_sampled(self, logits: torch.Tensor, ids: torch.Tensor, indices: tuple[int, ...],
+                       rows: list[Chunk]) -> list[ScoredRows]:
+        """Log probabilities of the sampled tokens of the rows that asked for them (none: no device work)."""
+        wanted = [row for row, chunk in enumerate(rows) if chunk.logprobs is not None]
+        if not wanted:
+            return []
+        if len(wanted) < len(rows):
+            select = self._to_device(np.array(wanted, dtype=np.int64))
+            logits, ids = logits.index_select(0, select), ids.index_select(0, select)
+        return [score(logits, ids, [indices[r] for r in wanted], [rows[r].logprobs for r in wanted])]
+
+    def _score_prompt(self, logits: torch.Tensor, call: MethodCall, by_index: dict[int, Chunk]) -> _ScoredPrompt:
+        """Log probabilities of the prompt tokens that follow each scored prompt row."""
+        targets = [by_index[index].prompt_targets for index, _ in call.prompt_rows]
+        flat = [t for block in targets for t in block]
+        row_chunks = [index for index, count in call.prompt_rows for _ in range(count)]
+        tops = [by_index[index].prompt_logprobs for index in row_chunks]
+        device_targets = self._to_device(np.array(flat, dtype=np.int64))
+        return _ScoredPrompt(score(logits[: len(flat)], device_targets, row_chunks, tops), flat)
 
     def _forward(self, call: MethodCall) -> torch.Tensor:
         if call.width is not None:
@@ -241,22 +359,31 @@ class Executor:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _sample(self, logits: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
-        """Sampled ids [rows], on the device."""
+    def _sample(self, logits: torch.Tensor, chunks: list[Chunk], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Sampled ids [rows], on the device; `mask` (a bitmask per row, on the device) bans tokens."""
+        processed, slots = self.logits_processor.apply(logits, chunks)
+        if mask is not None:
+            if processed is logits:  # the raw logits stay as they are: log probabilities are read from them
+                processed = logits.clone()
+            apply_masks(processed, mask)
         # A compiled method reads its inputs with the strides it was traced with (contiguous), but a
         # forward's logits may come back with padded rows (seen on the GPU: 258 -> 260 floats in fp32).
-        logits = logits.contiguous()
+        logits = processed.contiguous()
         params = [c.sampling for c in chunks]
         if all(p.is_greedy for p in params):
-            return self.artifact.run(SAMPLE_ARGMAX, [logits])[0]
-        # One upload for the three float rows; each row starts 16-byte aligned, as compiled kernels assume
-        # (a misaligned input is copied by the method first: seen on the GPU).
-        num_rows = len(params)
-        floats = np.zeros((3, -(-num_rows // 4) * 4), dtype=np.float32)
-        floats[:, :num_rows] = [[p.temperature for p in params], [p.top_p for p in params], [c.uniform for c in chunks]]
-        floats = self._to_device(floats)[:, :num_rows]
-        top_k = self._to_device(np.array([p.top_k for p in params], dtype=np.int64))
-        return self.artifact.run(SAMPLE, [logits, floats[0], floats[1], top_k, floats[2]])[0]
+            ids = self.artifact.run(SAMPLE_ARGMAX, [logits])[0]
+        else:
+            # One upload for the three float rows; each row starts 16-byte aligned, as compiled kernels assume
+            # (a misaligned input is copied by the method first: seen on the GPU).
+            num_rows = len(params)
+            floats = np.zeros((3, -(-num_rows // 4) * 4), dtype=np.float32)
+            floats[:, :num_rows] = [[p.temperature for p in params], [p.top_p for p in params],
+                                    [c.uniform for c in chunks]]
+            floats = self._to_device(floats)[:, :num_rows]
+            top_k = self._to_device(np.array([p.top_k for p in params], dtype=np.int64))
+            ids = self.artifact.run(SAMPLE, [logits, floats[0], floats[1], top_k, floats[2]])[0]
+        self.logits_processor.count(ids, chunks, slots)
+        return ids
 
 
 def _free_device_bytes(device: torch.device) -> int:

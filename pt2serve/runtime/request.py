@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pt2serve.runtime.cells import CellTable
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
@@ -45,6 +46,9 @@ class RequestSpec:
     stop_strings: tuple[str, ...] = ()
     session_id: str | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # each sampled token's log probability, with this many alternatives
+    prompt_logprobs: int | None = None  # each prompt token's (but the first), with this many alternatives
+    grammar: Any = None  # a compiled grammar (grammar.py) the generated tokens must follow
 
 
 @dataclass

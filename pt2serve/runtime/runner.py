@@ -4,6 +4,10 @@ Callers on any thread `submit()` requests and read events from the returned hand
 a callback, e.g. into an asyncio loop). Everything that touches the scheduler, cells or device runs on
 the engine thread; other threads only enqueue commands.
 
+A request may name a `parent` with the same prompt (the choices of an `n > 1` request): it is held until
+the parent's prompt is computed (scheduled: stream order puts its K/V writes first), then starts from the
+parent's cells for all its prompt but the last token, which it computes itself for its own first sample.
+
 One step stays in flight: the engine plans and launches step n+1, then waits for step n's ids and commits
 them (detokenizes, checks stop strings, delivers events) while step n+1 runs on the device. The device
 never waits for the host's per-step work; sampled ids are read one step late, so a request that stops at
@@ -21,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pt2serve.errors import Pt2ServeError
-from pt2serve.runtime.executor import CallRecord, Executor, PendingStep
+from pt2serve.runtime.executor import CallRecord, DeferredSampling, Executor, PendingStep, StepResult
+from pt2serve.runtime.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher
+from pt2serve.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec, RequestStats
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
 from pt2serve.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -54,6 +60,9 @@ class StreamEvent:
     text: str  # the detokenized text this event adds ("" without a tokenizer)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprob: TokenLogprob | None = None  # the token's, when the request asked for logprobs
+    # On the first token of a request that asked for prompt logprobs: the prompt's tokens after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,8 @@ class Completion:
     finish_reason: FinishReason
     stats: RequestStats
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +89,7 @@ class StepRecord:
 @dataclass(frozen=True)
 class _InFlight:
     plan: StepPlan
-    pending: PendingStep
+    pending: PendingStep | DeferredSampling
     launched: float  # perf_counter at launch
 
 
@@ -106,10 +117,16 @@ class RequestHandle:
         self._done = threading.Event()
         self._token_ids: list[int] = []
         self._text: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._prompt_logprobs: tuple[TokenLogprob, ...] | None = None
         self._finish: StreamEvent | None = None
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
 
     def _deliver(self, event: StreamEvent) -> None:
+        if event.logprob is not None:
+            self._logprobs.append(event.logprob)
+        if event.prompt_logprobs is not None:
+            self._prompt_logprobs = event.prompt_logprobs
         if event.token_id is not None:
             self._token_ids.append(event.token_id)
         self._text.append(event.text)
@@ -138,7 +155,8 @@ class RequestHandle:
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         assert self._finish is not None
         return Completion(list(self._token_ids), "".join(self._text), self._finish.finish_reason,
-                          self.stats, self._finish.error)
+                          self.stats, self._finish.error, list(self._logprobs) if self._logprobs else None,
+                          self._prompt_logprobs)
 
 
 @dataclass
@@ -149,6 +167,9 @@ class _Live:
     decoder: IncrementalDecoder | None
     stops: StopStringMatcher
     emitted_text: list[str] = field(default_factory=list)
+    # Scored prompt positions (a recomputed prompt scores them again, to the same values), until the first token.
+    prompt_logprobs: dict[int, TokenLogprob] | None = None
+    matcher: Matcher | None = None  # the request's place in its grammar, fed every committed token
 
 
 class Runner:
@@ -158,6 +179,11 @@ class Runner:
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_context = meta.max_context
+        self.grammars = GrammarCompiler(
+            tokenizer.files.tokenizer_json if tokenizer is not None else None, meta.vocab_size,
+            tokenizer.eos_token_ids if tokenizer is not None else ())
+        # Sampling values the checkpoint's generation_config.json set, for requests that leave them out.
+        self.generation_defaults: dict[str, float] = dict(meta.raw.get("generation_defaults") or {})
         self.vocab_size = meta.vocab_size
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -177,6 +203,7 @@ class Runner:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._live: dict[int, _Live] = {}
+        self._held: dict[int, tuple[int, Request]] = {}  # request id -> (parent id, request) until it forks
         self._num_active = 0
         self._active_lock = threading.Lock()
         self._stopping = False
@@ -184,6 +211,11 @@ class Runner:
         self._thread.start()
 
     # -- caller side (any thread) ---------------------------------------------------------------------
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most tokens (prompt + generated) one request may reach: the context, or the pool if smaller."""
+        return min(self.max_context, self.executor.allocator.capacity)
 
     @property
     def num_active(self) -> int:
@@ -200,11 +232,27 @@ class Runner:
         session_id: str | None = None,
         ignore_eos: bool = False,
         on_event: Callable[[StreamEvent], None] | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        parent: RequestHandle | None = None,
+        grammar: GrammarSpec | CompiledGrammar | None = None,
     ) -> RequestHandle:
-        """Queue a request; raises Pt2ServeError for a request that can never run."""
+        """Queue a request; raises Pt2ServeError for a request that can never run.
+
+        `logprobs` / `prompt_logprobs`: score each sampled / prompt token, with that many alternatives.
+        `parent`: a request submitted before with the same prompt, whose prompt cells this one shares.
+        `grammar`: what the output must match (a spec is compiled here, on the caller's thread)."""
         prompt_ids = self._prompt_ids(prompt)
+        if parent is not None and parent.prompt_ids != prompt_ids:
+            raise Pt2ServeError("a request shares its parent's cells only with the parent's prompt")
+        if parent is not None and prompt_logprobs is not None:
+            raise Pt2ServeError("a request that shares its parent's prompt does not compute it: ask the parent "
+                                "for prompt_logprobs")
         if max_new_tokens < 1:
             raise Pt2ServeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        for name, top in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise Pt2ServeError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         total = len(prompt_ids) + max_new_tokens
         if total > self.max_context:
             raise Pt2ServeError(
@@ -216,14 +264,15 @@ class Runner:
         stops = set(stop_token_ids)
         if self.tokenizer is not None and not ignore_eos:
             stops.update(self.tokenizer.eos_token_ids)
+        compiled = self.grammars.compile(grammar) if isinstance(grammar, GrammarSpec) else grammar
         spec = RequestSpec(tuple(prompt_ids), max_new_tokens, sampling, frozenset(stops), tuple(stop_strings),
-                           session_id, ignore_eos)
+                           session_id, ignore_eos, logprobs, prompt_logprobs, compiled)
         handle = RequestHandle(next(self._ids), prompt_ids, on_event)
         with self._active_lock:
             if self._stopping:
                 raise Pt2ServeError("the runner is shut down")
             self._num_active += 1
-        self._inbox.put(("submit", handle, spec))
+        self._inbox.put(("submit", handle, spec, parent.id if parent is not None else None))
         self._wakeup.set()
         return handle
 
@@ -278,7 +327,7 @@ class Runner:
                     self._complete(in_flight)
                 self._shutdown()
                 return
-            launched = self._launch_next() if self.scheduler.has_work() else None
+            launched = self._launch_next() if self.scheduler.has_work() or self._held else None
             if in_flight is not None:
                 self._complete(in_flight)  # while `launched` runs on the device
             elif launched is None:
@@ -287,6 +336,8 @@ class Runner:
                 else:
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
+            if launched is not None and isinstance(launched.pending, DeferredSampling):
+                launched = self._sample_constrained(launched)  # its masks follow the ids just committed
             in_flight = launched
 
     def _drain_inbox(self) -> None:
@@ -296,33 +347,67 @@ class Runner:
             except queue.Empty:
                 return
             if command[0] == "submit":
-                _, handle, spec = command
-                self._start(handle, spec)
+                _, handle, spec, parent_id = command
+                self._start(handle, spec, parent_id)
             elif command[0] == "clear_prefix_cache":
                 self.scheduler.prefix_cache.clear()
                 command[1].set()
             else:
                 self._finish(command[1], FinishReason.CANCELLED)
 
-    def _start(self, handle: RequestHandle, spec: RequestSpec) -> None:
+    def _start(self, handle: RequestHandle, spec: RequestSpec, parent_id: int | None) -> None:
         request = Request(handle.id, spec, list(spec.prompt_ids), RequestRandom(spec.sampling.seed))
         request.stats = handle.stats
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
-        self._live[handle.id] = _Live(handle, decoder, StopStringMatcher(spec.stop_strings))
-        self.scheduler.add(request)
+        self._live[handle.id] = _Live(handle, decoder, StopStringMatcher(spec.stop_strings),
+                                      prompt_logprobs={} if spec.prompt_logprobs is not None else None,
+                                      matcher=Matcher(spec.grammar) if spec.grammar is not None else None)
+        if parent_id is not None and parent_id in self._live:
+            self._held[handle.id] = (parent_id, request)
+        else:
+            self.scheduler.add(request)
+
+    def _fork_held(self) -> None:
+        """Start the held requests whose parent's prompt is computed (or whose parent is gone)."""
+        for request_id, (parent_id, request) in list(self._held.items()):
+            parent = self.scheduler.requests.get(parent_id)
+            if parent is None:
+                del self._held[request_id]
+                self.scheduler.add(request)  # it computes its prompt itself
+            elif parent.num_computed >= parent.num_prompt:
+                del self._held[request_id]
+                self.scheduler.fork(request, parent)
 
     def _launch_next(self) -> _InFlight | None:
         """Plan the next step and queue it on the device; None when nothing could be scheduled."""
         plan = self.scheduler.plan()
-        if not plan.chunks:
-            return None
-        started = time.perf_counter()
+        launched = None
+        if plan.chunks:
+            started = time.perf_counter()
+            try:
+                launched = _InFlight(plan, self.executor.launch(self.scheduler.executor_chunks(plan)), started)
+            except Exception as err:  # a failing step fails its requests, not the engine
+                self._fail_step(plan, err)
+        if self._held:  # after the launch: a parent whose prompt step failed is gone, not forked from
+            self._fork_held()
+        return launched
+
+    def _sample_constrained(self, step: _InFlight) -> _InFlight | None:
+        """Queue the sampling of a step with grammar-constrained rows, each masked by its matcher as it stands
+        after every token committed so far (which is every token before this sample)."""
+        chunks = step.plan.chunks
+
+        def fill(index: int, bitmask, row: int) -> None:
+            live = self._live.get(chunks[index].request_id)
+            if live is not None and live.matcher is not None:
+                live.matcher.fill_row(bitmask, row)
+
         try:
-            pending = self.executor.launch(self.scheduler.executor_chunks(plan))
-        except Exception as err:  # a failing step fails its requests, not the engine
-            self._fail_step(plan, err)
+            pending = step.pending.sample(fill)
+        except Exception as err:
+            self._fail_step(step.plan, err)
             return None
-        return _InFlight(plan, pending, started)
+        return _InFlight(step.plan, pending, step.launched)
 
     def _complete(self, step: _InFlight) -> None:
         """Wait for a launched step's ids, record it and commit them."""
@@ -336,8 +421,21 @@ class Runner:
         self.step_history.append(
             StepRecord(plan.step, plan.num_tokens, plan.num_decode, result.calls, seconds, result.device_seconds)
         )
+        logprobs = self._collect_logprobs(plan, result)
         for event in self.scheduler.commit(plan, result.tokens):
-            self._on_token(event.request_id, event.token, event.finish_reason)
+            self._on_token(event.request_id, event.token, event.finish_reason, logprobs.get(event.request_id))
+
+    def _collect_logprobs(self, plan: StepPlan, result: StepResult) -> dict[int, TokenLogprob]:
+        """Keep the step's scored prompt positions; return its sampled tokens' log probabilities by request."""
+        sampled = {}
+        for chunk, rows in zip(plan.chunks, result.prompt_logprobs):
+            live = self._live.get(chunk.request_id)
+            if rows and live is not None and live.prompt_logprobs is not None:
+                live.prompt_logprobs.update((chunk.start + k, row) for k, row in enumerate(rows))
+        for chunk, logprob in zip(plan.chunks, result.logprobs):
+            if logprob is not None:
+                sampled[chunk.request_id] = logprob
+        return sampled
 
     def _fail_step(self, plan: StepPlan, err: Exception) -> None:
         """A step failed on the device: exactly its requests end with the error."""
@@ -345,8 +443,16 @@ class Runner:
         for request_id in self.scheduler.fail(plan, message):
             self._emit_final(request_id, FinishReason.ERROR, message)
 
-    def _on_token(self, request_id: int, token: int, finish_reason: FinishReason | None) -> None:
+    def _on_token(self, request_id: int, token: int, finish_reason: FinishReason | None,
+                  logprob: TokenLogprob | None = None) -> None:
         live = self._live[request_id]
+        if live.matcher is not None:
+            if not live.matcher.accept_token(token):
+                self._fail_request(request_id, token, f"token {token} does not follow the request's grammar")
+                return
+            if live.matcher.is_terminated() and finish_reason is None:  # the output is complete
+                self.scheduler.finish(request_id, FinishReason.STOP)
+                finish_reason = FinishReason.STOP
         try:
             text, hit_stop = self._text(live, token, is_final=finish_reason is not None)
         except Exception as err:  # a failing tokenizer fails its own request, not the engine
@@ -356,7 +462,12 @@ class Runner:
             self.scheduler.finish(request_id, FinishReason.STOP)
         if hit_stop:  # also when the token that ends the request by length completes a stop string
             finish_reason = FinishReason.STOP
-        self._deliver(request_id, StreamEvent(token, text, finish_reason))
+        prompt_logprobs = None
+        if live.prompt_logprobs is not None:  # the first token: every prompt position is scored by now
+            scored = live.prompt_logprobs
+            prompt_logprobs = tuple(scored[p] for p in range(len(live.handle.prompt_ids) - 1))
+            live.prompt_logprobs = None
+        self._deliver(request_id, StreamEvent(token, text, finish_reason, None, logprob, prompt_logprobs))
 
     @staticmethod
     def _text(live: _Live, token: int | None, is_final: bool) -> tuple[str, bool]:
@@ -370,7 +481,7 @@ class Runner:
         return live.stops.feed(text, is_final)
 
     def _finish(self, request_id: int, reason: FinishReason, error: str | None = None) -> None:
-        if self.scheduler.finish(request_id, reason) is not None:
+        if self._held.pop(request_id, None) is not None or self.scheduler.finish(request_id, reason) is not None:
             self._emit_final(request_id, reason, error)
 
     def _emit_final(self, request_id: int, reason: FinishReason, error: str | None) -> None:
@@ -394,6 +505,7 @@ class Runner:
         live = self._live[request_id]
         if event.finish_reason is not None:
             del self._live[request_id]
+            self.executor.logits_processor.release(request_id)
             with self._active_lock:
                 self._num_active -= 1
         try:

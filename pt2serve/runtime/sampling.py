@@ -1,5 +1,7 @@
 """Per-request sampling parameters and the request's own random stream.
 
+Penalties, logit_bias and min_tokens change the logits before sampling (on the device: logits.py).
+
 The device sampler (the artifact's `sample` method) is a pure function of logits, parameters and one
 uniform draw per row; the draws come from here, one generator per request, so a request's tokens do not
 depend on what else shares its steps.
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from pt2serve.errors import Pt2ServeError
 
 MAX_TEMPERATURE = 100.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
     seed: int | None = None  # None: drawn from the OS
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it was generated
+    frequency_penalty: float = 0.0  # subtracted once per time it was generated
+    repetition_penalty: float = 1.0  # a prompt or generated token's logit divided (> 0) or multiplied (< 0) by it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, value added to its logit)
+    min_tokens: int = 0  # stop tokens are masked out until this many tokens were generated
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
@@ -29,10 +38,26 @@ class SamplingParams:
             raise Pt2ServeError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise Pt2ServeError(f"top_k must be >= 0 (0 means no limit), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise Pt2ServeError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise Pt2ServeError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise Pt2ServeError(f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens")
+        if any(not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS for _, value in self.logit_bias):
+            raise Pt2ServeError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
+        if self.min_tokens < 0:
+            raise Pt2ServeError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Its logits depend on the tokens so far (the device keeps its counts)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 class RequestRandom:

@@ -194,11 +194,25 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         if request.num_computed:
             return
-        # At least the newest token must be computed: its logits give the next token.
-        cells = self.prefix_cache.match(request.id, request.tokens, len(request.tokens) - 1)
+        # At least the newest token must be computed: its logits give the next token. A prompt to be scored
+        # is computed whole: reused cells come without the logits of their positions.
+        limit = 0 if request.spec.prompt_logprobs is not None else len(request.tokens) - 1
+        cells = self.prefix_cache.match(request.id, request.tokens, limit)
         request.cells = CellTable(cells)
         request.num_computed = len(cells)
         request.stats.reused_tokens = min(len(cells), request.num_prompt)
+
+    def fork(self, request: Request, parent: Request) -> None:
+        """Queue `request`, whose prompt is `parent`'s, on shared copies of the parent's cells for all of that
+        prompt but its last token (computed again: its logits give this request's own first token). The
+        parent's prompt must be scheduled; stream order puts those K/V writes before any step of this one."""
+        assert request.spec.prompt_ids == parent.spec.prompt_ids and parent.num_computed >= parent.num_prompt
+        shared = parent.cells.cells[: parent.num_prompt - 1].copy()
+        self.allocator.share(shared)
+        request.cells = CellTable(shared)
+        request.num_computed = len(shared)
+        request.stats.reused_tokens = len(shared)
+        self.add(request)
 
     def _unadmit(self, request: Request) -> None:
         self._running.remove(request.id)
@@ -238,8 +252,14 @@ class Scheduler:
                 tokens = tuple(request.tokens[c.start:c.start + c.num_tokens])
             else:
                 tokens = (PLACEHOLDER_TOKEN,)  # the executor puts the sampled id there on the device
-            sampling = request.spec.sampling if c.samples else None
-            chunks.append(Chunk(request.cells.cells, tokens, c.start, sampling, c.uniform, c.previous_sample))
+            spec = request.spec
+            sampling = spec.sampling if c.samples else None
+            logprobs = spec.logprobs if c.samples else None
+            chunks.append(Chunk(request.cells.cells, tokens, c.start, sampling, c.uniform, c.previous_sample,
+                                logprobs, _prompt_targets(request, c), spec.prompt_logprobs or 0, request.id,
+                                _banned(request) if c.samples else (),
+                                spec.prompt_ids if c.samples and spec.sampling.has_penalties else (),
+                                c.samples and spec.grammar is not None))
         return chunks
 
     def commit(self, plan: StepPlan, tokens: tuple[int | None, ...]) -> list[TokenEvent]:
@@ -320,3 +340,20 @@ class Scheduler:
         held += self.prefix_cache.held_cells()
         owned = len(np.unique(np.concatenate(held))) if held else 0
         return self.allocator.num_used - owned
+
+
+def _banned(request: Request) -> tuple[int, ...]:
+    """The tokens its sample may not be (its stop tokens, while it has fewer than min_tokens)."""
+    spec = request.spec
+    sample_index = request.num_sampled - 1  # this sample is counted already
+    if sample_index >= spec.sampling.min_tokens:
+        return ()
+    return tuple(sorted(spec.stop_token_ids))
+
+
+def _prompt_targets(request: Request, chunk: ScheduledChunk) -> tuple[int, ...]:
+    """For a request whose prompt is scored: the prompt tokens that follow the chunk's first tokens."""
+    if request.spec.prompt_logprobs is None:
+        return ()
+    end = min(chunk.start + chunk.num_tokens, request.num_prompt - 1)
+    return tuple(request.spec.prompt_ids[chunk.start + 1:end + 1])

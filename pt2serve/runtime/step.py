@@ -15,7 +15,7 @@ write the scratch cell and see only it, so they never touch real cells and never
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -49,6 +49,14 @@ class Chunk:
     A decode whose token is the one sampled for this sequence by the step still in flight does not know it on
     the host: `previous_sample` is the index of that sampling chunk in the previous step's chunk list, its one
     token is a placeholder, and the executor copies the sampled id into place on the device.
+
+    Log probabilities (see logprobs.py): `logprobs` (a number of alternatives) scores the sampled token;
+    `prompt_targets` are the tokens that follow the chunk's first len(prompt_targets) tokens, each of which
+    is scored with `prompt_logprobs` alternatives.
+
+    Logits controls (see logits.py): `banned` tokens cannot be sampled (min_tokens); a request with penalties
+    keeps token counts on the device under `request_id`, set up from `penalty_prompt` at its first sample.
+    `grammar`: the sample is constrained by a grammar; its mask comes after the forward (grammar.py).
     """
 
     cells: np.ndarray  # the sequence's cells for positions 0 .. start + len(tokens) - 1
@@ -57,6 +65,13 @@ class Chunk:
     sampling: SamplingParams | None = None
     uniform: float = 0.0
     previous_sample: int | None = None
+    logprobs: int | None = None
+    prompt_targets: tuple[int, ...] = ()
+    prompt_logprobs: int = 0
+    request_id: int | None = None
+    banned: tuple[int, ...] = ()
+    penalty_prompt: tuple[int, ...] = ()
+    grammar: bool = False
 
     @property
     def end(self) -> int:
@@ -75,6 +90,8 @@ class MethodCall:
     num_tokens: int  # real tokens, without padding
     # (token row, index of the previous step's chunk whose sampled id goes there), for placeholder tokens
     placeholders: tuple[tuple[int, int], ...] = ()
+    # (chunk index, rows): logit rows after the sampled ones, each chunk's scored prompt rows, in order
+    prompt_rows: tuple[tuple[int, int], ...] = ()
 
     def device_inputs(self, device: torch.device | str) -> list[torch.Tensor]:
         """The input regions on `device`, from one copy of the packed array."""
@@ -91,7 +108,7 @@ def slice_step(chunks: list[Chunk], max_tokens: int) -> list[list[tuple[int, Chu
     room = max_tokens
     for index, chunk in enumerate(chunks):
         start = chunk.start
-        tokens = chunk.tokens
+        tokens, targets = chunk.tokens, chunk.prompt_targets
         while tokens:
             if room == 0:
                 pieces.append([])
@@ -99,10 +116,11 @@ def slice_step(chunks: list[Chunk], max_tokens: int) -> list[list[tuple[int, Chu
             take = min(room, len(tokens))
             is_last = take == len(tokens)
             end = start + take
-            part = Chunk(chunk.cells[:end], tokens[:take], start,
-                         chunk.sampling if is_last else None, chunk.uniform, chunk.previous_sample)
+            part = replace(chunk, cells=chunk.cells[:end], tokens=tokens[:take], start=start,
+                           sampling=chunk.sampling if is_last else None, logprobs=chunk.logprobs if is_last else None,
+                           prompt_targets=targets[:take])
             pieces[-1].append((index, part))
-            tokens, start, room = tokens[take:], end, room - take
+            tokens, targets, start, room = tokens[take:], targets[take:], end, room - take
     return [piece for piece in pieces if piece]
 
 
@@ -140,7 +158,9 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_
         num_rows_seq = width
         num_entries = static_entries
     sampled = [i for i, c in enumerate(chunks) if c.sampling is not None]
-    num_logit_rows = width if width is not None else max(2, len(sampled))
+    scored = [i for i, c in enumerate(chunks) if c.prompt_targets]
+    num_scored = sum(len(chunks[i].prompt_targets) for i in scored)
+    num_logit_rows = width if width is not None else max(2, len(sampled) + num_scored)
     sizes = (num_tokens,) * 4 + (num_rows_seq + 1, num_entries, num_logit_rows)
     host = np.zeros(region_offsets(sizes)[1], dtype=np.int64)
     tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = regions(host, sizes)
@@ -164,7 +184,13 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_
     indptr[num_seqs + 1:] = entry_end
     seq_cells[entry_end:] = SCRATCH_CELL
     logit_rows[: len(sampled)] = row_ends[sampled]
-    logit_rows[len(sampled):] = num_tokens - 1  # extra rows: any valid token; their logits are ignored
+    # Then the scored prompt rows: a chunk's first tokens, whose next token is known (never a sampled row).
+    row_starts = row_ends + 1 - counts
+    scored_rows = [np.arange(len(chunks[i].prompt_targets)) + row_starts[i] for i in scored]
+    after = len(sampled) + num_scored
+    if scored_rows:
+        logit_rows[len(sampled):after] = np.concatenate(scored_rows)
+    logit_rows[after:] = num_tokens - 1  # extra rows: any valid token; their logits are ignored
     # A placeholder chunk is one token (a decode), so its row is its chunk's last row; its token stays 0 here.
     placeholders = tuple(
         (int(row_ends[i]), c.previous_sample) for i, c in enumerate(chunks) if c.previous_sample is not None
@@ -177,4 +203,5 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_
         sampled_chunks=tuple(piece[i][0] for i in sampled),
         num_tokens=num_real,
         placeholders=placeholders,
+        prompt_rows=tuple((piece[i][0], len(chunks[i].prompt_targets)) for i in scored),
     )

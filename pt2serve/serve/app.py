@@ -51,7 +51,8 @@ def create_app(config: ServerConfig, runner: Runner | None = None, owns_runner: 
             raise ApiError(401, "missing or incorrect API key: send it as 'Authorization: Bearer KEY'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    @app.get("/health")
+    # HEAD answers as GET does, without a body (load balancers and monitors probe with it).
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         if state.runner is None:
             return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
@@ -62,7 +63,7 @@ def create_app(config: ServerConfig, runner: Runner | None = None, owns_runner: 
 
     api = APIRouter(dependencies=[Depends(require_api_key)])
 
-    @api.get("/metrics")
+    @api.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -106,9 +107,9 @@ def attach_runner(app: FastAPI, runner: Runner, owns_runner: bool = True) -> Non
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_request: Request, err: ApiError) -> JSONResponse:
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
         state.metrics.request_rejected(err.status)
-        return err.response()
+        return _answer(request, err)
 
     # Starlette's own answers (no such route, a method the route does not take) count as rejections too.
     @app.exception_handler(StarletteHTTPException)
@@ -120,3 +121,11 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         return await api_error(request, ApiError(400, "the request is malformed"))
 
     app.add_middleware(UnexpectedErrors)
+
+
+def _answer(request: Request, err: ApiError) -> JSONResponse:
+    """The error's response; why a request was refused is logged at info, so an operator can see it."""
+    if err.status < 500:
+        log.info("%s %s answered %d %s (param %s): %s", request.method, request.url.path, err.status, err.code,
+                 err.param, err.message)
+    return err.response()

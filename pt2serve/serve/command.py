@@ -55,6 +55,8 @@ def serve_artifact_command(
     api_key: Optional[str] = typer.Option(None, envvar="PT2SERVE_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     model_name: Optional[str] = typer.Option(None, help="The model id clients send (default: the file's stem)."),
+    default_max_tokens: Optional[int] = typer.Option(None, help="Tokens a request without max_tokens may generate "
+                                                     "(default: up to the end of the context, as OpenAI does)."),
     log_level: str = typer.Option("warning", help="uvicorn's log level (info shows each request)."),
 ) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
@@ -84,7 +86,8 @@ def serve_artifact_command(
 
     try:
         config = ServerConfig(model_name=model_name or artifact.stem, api_key=api_key, max_queued=max_queued,
-                              max_connections=max_connections, drain_timeout_s=drain_timeout)
+                              max_connections=max_connections, drain_timeout_s=drain_timeout,
+                              default_max_tokens=default_max_tokens)
         executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
         runner_config = RunnerConfig(**step_budget(token_budget, max_decode_sequences, min_prefill_chunk),
                                      **prefix_reuse(prefix_cache_enabled, session_pin_seconds),

@@ -11,12 +11,16 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from pt2serve.errors import Pt2ServeError
-from pt2serve.runtime.runner import Runner
+from pt2serve.runtime.runner import Runner, StreamEvent
 from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.errors import ApiError, bad_request
+from pt2serve.runtime.grammar import CompiledGrammar, GrammarSpec
 from pt2serve.serve.generation import Generation
-from pt2serve.serve.openai_format import FINISH_REASONS, SSE_DONE, ChatFormat, CompletionFormat, sse
+from pt2serve.serve.logprob_format import TokenTexts
+from pt2serve.serve.rendering import Rendering
+from pt2serve.serve.tool_calls import ToolUse, template_format
+from pt2serve.serve.openai_format import FINISH_REASONS, SSE_DONE, ChatFormat, CompletionFormat, Usage, sse
 from pt2serve.serve.schemas import MAX_SESSION_ID_CHARS, GenerationRequest, parse_chat, parse_completion
 from pt2serve.serve.state import ServerState
 from pt2serve.serve.transport import EventStream, read_json, wait_for_disconnect
@@ -33,23 +37,119 @@ async def handle(request: Request, state: ServerState, chat: bool) -> Response:
         raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {config.model_name!r}",
                        "model", "model_not_found")
     session_id = _session_id(req, request)
+    if session_id is not None and req.num_choices > 1:
+        raise bad_request("a session continues one conversation: send one prompt with n=1", "session_id",
+                          "invalid_value")
     _check_token_ids(runner, req.stop_token_ids, "stop_token_ids")
-    prompt_ids = await run_in_threadpool(_prompt_ids, runner, req)
-    max_tokens = _max_tokens(runner, config, req, len(prompt_ids))
-    try:
-        sampling = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
-    except Pt2ServeError as err:
-        raise bad_request(str(err)) from None
-    state.check_admission(runner)
-    generation = Generation(runner, state.metrics, arrived)
-    try:
-        generation.start(prompt_ids, max_tokens, sampling, req.stop, req.stop_token_ids, session_id, req.ignore_eos)
-    except Pt2ServeError as err:
-        raise bad_request(str(err)) from None
-    fmt = ChatFormat(config.model_name) if chat else CompletionFormat(config.model_name)
+    _check_token_ids(runner, [token for token, _ in req.logit_bias], "logit_bias")
+    tool_use = _tool_use(runner, req)
+    prompts = await run_in_threadpool(_prompt_ids, runner, req)
+    max_tokens = [_max_tokens(runner, config, req, len(ids)) for ids in prompts]
+    sampling = [_sampling(runner, req, _choice_seed(req.seed, j)) for j in range(req.n)]
+    grammar = await run_in_threadpool(_compile_grammar, runner, req, tool_use)
+    state.check_admission(runner, req.num_choices)
+    generations = _start(runner, state, req, arrived, prompts, max_tokens, sampling, session_id, grammar)
+    render = Rendering(
+        fmt=ChatFormat(config.model_name) if chat else CompletionFormat(config.model_name),
+        texts=TokenTexts(runner.tokenizer),
+        prompts=prompts,
+        echoed=[_echo_text(runner, p, ids) for p, ids in zip(req.prompts, prompts)] if req.echo else None,
+        logprobs=req.logprobs is not None,
+        token_ids=not chat and any(isinstance(prompt, list) for prompt in req.prompts),
+        tool_use=tool_use,
+    )
     if req.stream:
-        return EventStream(_stream(generation, fmt, req.include_usage), on_close=generation.cancel)
-    return await _respond(request, generation, fmt, token_ids=not chat and isinstance(req.prompt, list))
+        return EventStream(_stream(generations, render, req.include_usage), on_close=lambda: _cancel(generations))
+    return await _respond(request, generations, render)
+
+
+def _start(runner: Runner, state: ServerState, req: GenerationRequest, arrived: float, prompts: list[list[int]],
+           max_tokens: list[int], sampling: list[SamplingParams], session_id: str | None,
+           grammar: CompiledGrammar | None) -> list[Generation]:
+    """Submit every choice: per prompt, its first choice computes (and with echo scores) the prompt; the
+    others share its cells."""
+    prompt_logprobs = req.logprobs if req.echo else None
+    generations = []
+    try:
+        for prompt_index, (ids, limit) in enumerate(zip(prompts, max_tokens)):
+            first = None
+            for params in sampling:
+                generation = Generation(runner, state.metrics, arrived, prompt_index, first)
+                generations.append(generation)
+                generation.start(ids, limit, params, req.stop, req.stop_token_ids, session_id, req.ignore_eos,
+                                 req.logprobs, prompt_logprobs if first is None else None, grammar)
+                first = first or generation
+    except Pt2ServeError as err:
+        _cancel(generations)
+        raise bad_request(str(err)) from None
+    return generations
+
+
+def _tool_use(runner: Runner, req: GenerationRequest) -> ToolUse | None:
+    """How the reply may call the request's tools (None: it may not); refuses what the template cannot take."""
+    if req.messages is None:
+        return None
+    family = template_format(runner.tokenizer.files.chat_template) if runner.tokenizer is not None else None
+    history = next((i for i, m in enumerate(req.messages) if m["role"] == "tool" or "tool_calls" in m), None)
+    if family is None and (req.tools or history is not None):
+        param = "tools" if req.tools else f"messages.{history}"
+        raise bad_request("this model's chat template takes no tools (or writes tool calls in a format this server "
+                          "does not read: Llama 3.x JSON or Hermes/Qwen <tool_call>)", param, "tools_unsupported")
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return ToolUse(family, req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
+def _compile_grammar(runner: Runner, req: GenerationRequest, tool_use: ToolUse | None) -> CompiledGrammar | None:
+    """The grammar the output must follow (response_format, guided_*, or a forced tool call), compiled."""
+    spec = req.grammar
+    schema = tool_use.grammar_schema() if tool_use is not None else None
+    if schema is not None:
+        spec = GrammarSpec("json_schema", schema)
+    if spec is None:
+        return None
+    try:
+        return runner.grammars.compile(spec)
+    except Pt2ServeError as err:
+        raise bad_request(str(err), "tools" if schema is not None else req.grammar_param,
+                          "invalid_grammar") from None
+
+
+def _echo_text(runner: Runner, prompt: str | list[int], ids: list[int]) -> str:
+    """What `echo` puts before a completion: the prompt as sent, or the text of its token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    return runner.tokenizer.decode(ids) if runner.tokenizer is not None else ""
+
+
+def _sampling(runner: Runner, req: GenerationRequest, seed: int | None) -> SamplingParams:
+    """The request's sampling controls; what it leaves out comes from the model's generation_config.json,
+    else OpenAI's defaults."""
+    defaults = runner.generation_defaults
+
+    def pick(value, name: str, default):
+        return value if value is not None else defaults.get(name, default)
+
+    try:
+        return SamplingParams(
+            temperature=pick(req.temperature, "temperature", 1.0), top_p=pick(req.top_p, "top_p", 1.0),
+            top_k=int(pick(req.top_k, "top_k", 0)), seed=seed, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
+            logit_bias=req.logit_bias, min_tokens=req.min_tokens,
+        )
+    except Pt2ServeError as err:
+        raise bad_request(str(err), code="invalid_value") from None
+
+
+def _choice_seed(seed: int | None, choice: int) -> int | None:
+    """Choice j of a seeded request draws from seed + j: each choice equals the request with that seed alone."""
+    return None if seed is None else seed + choice
+
+
+def _cancel(generations: list[Generation]) -> None:
+    for generation in generations:
+        generation.cancel()
 
 
 def _session_id(req: GenerationRequest, request: Request) -> str | None:
@@ -63,23 +163,30 @@ def _session_id(req: GenerationRequest, request: Request) -> str | None:
     return header
 
 
-def _prompt_ids(runner: Runner, req: GenerationRequest) -> list[int]:
+def _prompt_ids(runner: Runner, req: GenerationRequest) -> list[list[int]]:
+    """Each prompt's token ids (a chat is one prompt)."""
     tokenizer = runner.tokenizer
     if req.messages is not None:
         if tokenizer is None:
             raise bad_request("this model has no tokenizer, so it cannot serve chat; send token ids to "
-                              "/v1/completions", "messages")
+                              "/v1/completions", "messages", "no_tokenizer")
         try:
-            return tokenizer.encode_chat(req.messages)
+            return [tokenizer.encode_chat(req.messages, req.tools)]
         except Pt2ServeError as err:
-            raise bad_request(str(err), "messages") from None
-    if isinstance(req.prompt, str):
-        if tokenizer is None:
-            raise bad_request("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-        return tokenizer.encode(req.prompt)
-    assert req.prompt is not None
-    _check_token_ids(runner, req.prompt, "prompt")
-    return req.prompt
+            raise bad_request(str(err), "messages", "chat_template_failed") from None
+    assert req.prompts is not None
+    prompts = []
+    for i, prompt in enumerate(req.prompts):
+        param = "prompt" if len(req.prompts) == 1 else f"prompt.{i}"
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise bad_request("this model has no tokenizer: send the prompt as a list of token ids", param,
+                                  "no_tokenizer")
+            prompts.append(tokenizer.encode(prompt))
+        else:
+            _check_token_ids(runner, prompt, param)
+            prompts.append(prompt)
+    return prompts
 
 
 def _check_token_ids(runner: Runner, ids: list[int] | tuple[int, ...], param: str) -> None:
@@ -90,13 +197,15 @@ def _check_token_ids(runner: Runner, ids: list[int] | tuple[int, ...], param: st
 
 
 def _max_tokens(runner: Runner, config: ServerConfig, req: GenerationRequest, num_prompt: int) -> int:
-    context = runner.max_context
+    """The request's max_tokens, checked; without one, the room left in the context (or the server's cap)."""
+    context = runner.max_sequence_tokens
     if num_prompt >= context:
         raise bad_request(f"the prompt has {num_prompt} tokens; this model's context is {context} tokens, leaving "
                           "no room to generate", "messages" if req.messages is not None else "prompt",
                           "context_length_exceeded")
     if req.max_tokens is None:
-        return min(config.default_max_tokens, context - num_prompt)
+        room = context - num_prompt
+        return room if config.default_max_tokens is None else min(config.default_max_tokens, room)
     if num_prompt + req.max_tokens > context:
         raise bad_request(f"the prompt ({num_prompt} tokens) + max_tokens ({req.max_tokens}) = "
                           f"{num_prompt + req.max_tokens} tokens exceeds this model's context of {context} tokens",
@@ -104,48 +213,83 @@ def _max_tokens(runner: Runner, config: ServerConfig, req: GenerationRequest, nu
     return req.max_tokens
 
 
-async def _respond(request: Request, generation: Generation, fmt: ChatFormat | CompletionFormat,
-                   token_ids: bool) -> Response:
-    """Wait for the whole completion; a client that disconnects first has its request cancelled."""
+async def _respond(request: Request, generations: list[Generation], render: Rendering) -> Response:
+    """Wait for every choice; a client that disconnects first has its requests cancelled."""
     disconnect = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    done = asyncio.gather(*(generation.done for generation in generations))
     try:
-        await asyncio.wait({generation.done, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({done, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         disconnect.cancel()
-        generation.cancel()  # a no-op once finished
-    if not generation.finished:
+        _cancel(generations)  # a no-op for those finished
+    if not all(generation.finished for generation in generations):
+        done.cancel()
         return Response(status_code=499)  # nobody is listening any more
-    reason = FINISH_REASONS.get(generation.finish_reason)
-    if reason is None:
-        return _ended_badly(generation).response()
-    body = fmt.body(generation.text, reason, generation.usage(), list(generation.token_ids) if token_ids else None)
-    return JSONResponse(body)
+    choices = []
+    for index, generation in enumerate(generations):
+        reason = FINISH_REASONS.get(generation.finish_reason)
+        if reason is None:
+            return _ended_badly(generation).response()
+        choices.append(render.choice(index, generation, reason))
+    return JSONResponse(render.fmt.body(choices, _usage(generations)))
 
 
-async def _stream(generation: Generation, fmt: ChatFormat | CompletionFormat,
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    """One chunk per generated token (its text may be empty while held back), then one with the finish
-    reason, then usage if asked for, then [DONE]. A request that fails ends with an error event.
+def _usage(generations: list[Generation]) -> Usage:
+    """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""
+    prompts = {g.prompt_index: g.usage() for g in reversed(generations)}.values()
+    return Usage(sum(u.prompt_tokens for u in prompts), sum(g.usage().completion_tokens for g in generations),
+                 sum(u.cached_tokens for u in prompts))
+
+
+async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, list[StreamEvent]]]:
+    """(choice index, batch of events) as they come from every choice, until all have finished."""
+    queue: asyncio.Queue[tuple[int, list[StreamEvent]]] = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        async for batch in generation.event_batches():
+            queue.put_nowait((index, batch))
+
+    pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        remaining = len(generations)
+        while remaining:
+            index, batch = await queue.get()
+            remaining -= batch[-1].finish_reason is not None
+            yield index, batch
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+async def _stream(generations: list[Generation], render: Rendering, include_usage: bool) -> AsyncIterator[bytes]:
+    """Per choice, one chunk per generated token (its text may be empty while held back), then one with the
+    finish reason; after every choice, usage if asked for, then [DONE]. A choice that fails ends the stream
+    with an error event.
 
     The events waiting together go out in one write: a client that falls behind costs fewer writes, and
     one that left is not written to once per queued event (asyncio warns about each such write)."""
-    first = True
-    async for batch in generation.event_batches():
+    fmt = render.fmt
+    text_offsets: dict[int, int] = {}  # per choice that has started: where its next text begins
+    async for index, batch in _merged(generations):
         parts = []
         for event in batch:
             if event.token_id is not None or event.text:  # a cut request's last event may carry held-back text
-                parts.append(sse(fmt.chunk(event.text, first, include_usage)))
-                first = False
+                first = index not in text_offsets
+                chunks, text_offsets[index] = render.stream_chunks(index, generations[index], event, first,
+                                                                   include_usage, text_offsets.get(index, 0))
+                parts += [sse(chunk) for chunk in chunks]
             if event.finish_reason is None:
                 continue
             reason = FINISH_REASONS.get(event.finish_reason)
             if reason is None:
-                parts.append(sse(_ended_badly(generation).body()))
-            else:  # a clean end always comes with the last token, which carries any held-back text
-                parts.append(sse(fmt.finish_chunk(reason, include_usage)))
-                if include_usage:
-                    parts.append(sse(fmt.usage_chunk(generation.usage())))
+                yield b"".join(parts) + sse(_ended_badly(generations[index]).body()) + SSE_DONE
+                _cancel(generations)
+                return
+            # a clean end always comes with the last token, which carries any held-back text
+            parts += [sse(chunk) for chunk in render.finish_chunks(index, reason, include_usage)]
         yield b"".join(parts)
+    if include_usage:
+        yield sse(fmt.usage_chunk(_usage(generations)))
     yield SSE_DONE
 
 

@@ -15,7 +15,7 @@ class ServerConfig:
     max_connections: int = 512  # open HTTP connections before uvicorn answers 503 (bounds sockets and tasks)
     drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT, how long running requests may go on
     max_body_bytes: int = 4 * 1024 * 1024
-    default_max_tokens: int = 16
+    default_max_tokens: int | None = None  # without max_tokens: None runs to the end of the context
     retry_after_seconds: int = 1  # what a 429 tells the client to wait
 
     def __post_init__(self) -> None:
@@ -32,5 +32,5 @@ class ServerConfig:
             raise Pt2ServeError(f"drain_timeout_s must be in [0, 3600], got {self.drain_timeout_s}")
         if self.max_body_bytes < 1024:
             raise Pt2ServeError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
-        if self.default_max_tokens < 1:
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise Pt2ServeError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")

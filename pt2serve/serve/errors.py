@@ -20,6 +20,15 @@ _TYPES = {
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
+# A code for every 4xx that names none of its own (a client can branch on `code` without reading the message).
+_DEFAULT_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    429: "rate_limited",
+}
 
 
 class ApiError(Exception):
@@ -37,7 +46,7 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code or _DEFAULT_CODES.get(status, "invalid_request" if status < 500 else None)
         self.headers = headers or {}
 
     @property

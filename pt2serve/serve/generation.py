@@ -12,6 +12,7 @@ import logging
 import time
 from typing import AsyncIterator
 
+from pt2serve.runtime.logprobs import TokenLogprob
 from pt2serve.runtime.request import FinishReason
 from pt2serve.runtime.runner import RequestHandle, Runner, StreamEvent
 from pt2serve.runtime.sampling import SamplingParams
@@ -22,7 +23,10 @@ log = logging.getLogger("pt2serve.serve")
 
 
 class Generation:
-    def __init__(self, runner: Runner, metrics: ServerMetrics, arrived: float) -> None:
+    def __init__(self, runner: Runner, metrics: ServerMetrics, arrived: float, prompt_index: int = 0,
+                 shares_prompt_of: Generation | None = None) -> None:
+        self.prompt_index = prompt_index  # which prompt of its request it answers
+        self.shares_prompt_of = shares_prompt_of  # another choice of the same prompt: its cells are shared
         self._runner = runner
         self._metrics = metrics
         self._loop = asyncio.get_running_loop()
@@ -33,17 +37,22 @@ class Generation:
         self._cancel_sent = False
         self.handle: RequestHandle | None = None
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # each token's, when asked for
+        self.prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # the prompt's after its first, when asked for
         self.text_parts: list[str] = []
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.done: asyncio.Future[None] = self._loop.create_future()
 
     def start(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
-              stop_token_ids: tuple[int, ...], session_id: str | None, ignore_eos: bool) -> None:
+              stop_token_ids: tuple[int, ...], session_id: str | None, ignore_eos: bool,
+              logprobs: int | None = None, prompt_logprobs: int | None = None, grammar=None) -> None:
         """Submit to the runner; raises Pt2ServeError for a request it refuses."""
         self.handle = self._runner.submit(
             prompt_ids, max_new_tokens=max_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
             stop_strings=stop, session_id=session_id, ignore_eos=ignore_eos, on_event=self._from_engine,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            parent=self.shares_prompt_of.handle if self.shares_prompt_of is not None else None, grammar=grammar,
         )
 
     @property
@@ -84,6 +93,10 @@ class Generation:
 
     def _on_event(self, event: StreamEvent) -> None:
         now = time.perf_counter()
+        if event.logprob is not None:
+            self.logprobs.append(event.logprob)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if event.token_id is not None:
             self.token_ids.append(event.token_id)
             if self._first_token_at is None:

@@ -40,6 +40,18 @@ class _Format:
                 "choices": choices, **extra}
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One finished choice of a non-streamed response."""
+
+    index: int
+    text: str | None
+    finish_reason: str
+    token_ids: list[int] | None = None  # extension: sent when a prompt was token ids
+    logprobs: dict[str, Any] | None = None  # in the endpoint's shape (logprob_format.py)
+    tool_calls: list[dict[str, Any]] | None = None  # chat: the calls the reply made (then text may be None)
+
+
 @dataclass
 class CompletionFormat(_Format):
     """Legacy completions: `text` in each choice, the same object name for bodies and chunks."""
@@ -47,18 +59,23 @@ class CompletionFormat(_Format):
     def __post_init__(self) -> None:
         self.id = self.id or f"cmpl-{uuid.uuid4().hex}"
 
-    def body(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int] | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids  # extension: sent when the prompt was token ids
-        return self._envelope("text_completion", [choice], usage=usage.body())
+    def body(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+        bodies = []
+        for choice in choices:
+            body: dict[str, Any] = {"index": choice.index, "text": choice.text, "logprobs": choice.logprobs,
+                                    "finish_reason": choice.finish_reason}
+            if choice.token_ids is not None:
+                body["token_ids"] = choice.token_ids
+            bodies.append(body)
+        return self._envelope("text_completion", bodies, usage=usage.body())
 
-    def chunk(self, text: str, first: bool, with_usage: bool) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+    def chunk(self, index: int, text: str, first: bool, with_usage: bool,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         return self._envelope("text_completion", [choice], **_null_usage(with_usage))
 
-    def finish_chunk(self, finish_reason: str, with_usage: bool) -> dict[str, Any]:
-        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+    def finish_chunk(self, index: int, finish_reason: str, with_usage: bool) -> dict[str, Any]:
+        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice], **_null_usage(with_usage))
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
@@ -67,23 +84,33 @@ class CompletionFormat(_Format):
 
 @dataclass
 class ChatFormat(_Format):
-    """Chat completions: a `message` in the body, `delta`s in chunks (the first carries the role)."""
+    """Chat completions: a `message` in the body, `delta`s in chunks (each choice's first carries the role)."""
 
     def __post_init__(self) -> None:
         self.id = self.id or f"chatcmpl-{uuid.uuid4().hex}"
 
-    def body(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int] | None) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        return self._envelope("chat.completion", [choice], usage=usage.body())
+    def body(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+        bodies = []
+        for choice in choices:
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            if choice.tool_calls:
+                message["tool_calls"] = choice.tool_calls
+            bodies.append({"index": choice.index, "message": message, "logprobs": choice.logprobs,
+                           "finish_reason": choice.finish_reason})
+        return self._envelope("chat.completion", bodies, usage=usage.body())
 
-    def chunk(self, text: str, first: bool, with_usage: bool) -> dict[str, Any]:
+    def chunk(self, index: int, text: str, first: bool, with_usage: bool,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice], **_null_usage(with_usage))
 
-    def finish_chunk(self, finish_reason: str, with_usage: bool) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+    def tool_calls_chunk(self, index: int, calls: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
+        choice = {"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice], **_null_usage(with_usage))
+
+    def finish_chunk(self, index: int, finish_reason: str, with_usage: bool) -> dict[str, Any]:
+        choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
         return self._envelope("chat.completion.chunk", [choice], **_null_usage(with_usage))
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:

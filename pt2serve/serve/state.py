@@ -34,13 +34,17 @@ class ServerState:
                            headers={"Retry-After": "1"})
         return self.runner
 
-    def check_admission(self, runner: Runner) -> None:
-        """Refuse a new request while draining or at capacity. Call it right before submitting, with no
-        await in between, so neither a shutdown nor concurrent requests can slip past it."""
+    def check_admission(self, runner: Runner, num_choices: int = 1) -> None:
+        """Refuse a new request (of `num_choices` runner requests) while draining or at capacity. Call it right
+        before submitting, with no await in between, so neither a shutdown nor concurrent requests can slip
+        past it."""
         config = self.config
+        if num_choices > config.max_queued:
+            raise ApiError(400, f"the request asks for {num_choices} choices, more than this server ever runs at "
+                           f"once ({config.max_queued}); split it", "n", "too_many_choices")
         if self.draining:
             raise ApiError(503, "the server is shutting down and takes no new requests; retry shortly",
                            code="shutting_down", headers={"Retry-After": str(config.retry_after_seconds)})
-        if runner.num_active >= config.max_queued:
+        if runner.num_active + num_choices > config.max_queued:
             raise ApiError(429, f"the server is at capacity ({runner.num_active} requests queued or running); "
                            "retry later", code="queue_full", headers={"Retry-After": str(config.retry_after_seconds)})

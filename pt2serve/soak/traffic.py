@@ -208,7 +208,7 @@ class Traffic:
             ("/v1/completions", {**ok, "max_tokens": 0}, 400, "max_tokens"),
             ("/v1/completions", {**ok, "max_tokens": context}, 400, "max_tokens"),
             ("/v1/completions", {**ok, "temperature": -1}, 400, "temperature"),
-            ("/v1/completions", {**ok, "n": 3}, 400, "n"),
+            ("/v1/completions", {**ok, "n": 129}, 400, "n"),
             ("/v1/completions", {**ok, "stop": [str(i) for i in range(17)]}, 400, "stop"),
             ("/v1/completions", {**ok, "stop_token_ids": list(range(17))}, 400, "stop_token_ids"),
             ("/v1/completions", {**ok, "model": "no-such-model"}, 404, "model"),
