@@ -61,7 +61,10 @@ def test_a_list_of_prompts_is_answered_one_choice_each_in_one_batch(toy_server, 
             finished[choice["index"]] = choice["finish_reason"]
     assert texts == {c["index"]: c["text"] for c in batched["choices"]}
     assert finished == {0: "length", 1: "length", 2: "length"}
-    assert events[-1]["choices"] == [] and events[-1]["usage"] == batched["usage"]
+    # The same counts (the streamed run may reuse the batched run's prompt cells: cached_tokens differ).
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert events[-1]["choices"] == []
+    assert {k: events[-1]["usage"][k] for k in counts} == {k: batched["usage"][k] for k in counts}
 
 
 def test_without_max_tokens_a_request_runs_to_the_end_of_the_context(toy_server, toy_runner):

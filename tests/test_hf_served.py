@@ -227,9 +227,11 @@ CONVERSATIONS = {
                    {"role": "assistant", "content": "Hello, friend. How are you?"},
                    {"role": "user", "content": "  Sunny, with 21 degrees.\n"}],
     "tool": [{"role": "user", "content": "What is the temperature?"},
-             {"role": "assistant", "content": "I will ask the tool."},
-             {"role": "tool", "content": "{\"temperature\": 42}"},
-             {"role": "tool", "content": "{\"unit\": \"celsius\"}"}],
+             {"role": "assistant", "content": "I will ask the tool.", "tool_calls": [
+                 {"id": "call_1", "type": "function", "function": {"name": "temperature", "arguments": "{}"}},
+                 {"id": "call_2", "type": "function", "function": {"name": "unit", "arguments": "{}"}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature\": 42}"},
+             {"role": "tool", "tool_call_id": "call_2", "content": "{\"unit\": \"celsius\"}"}],
     "parts": [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "Hello "},
                                                    {"type": "text", "text": "world!"}]}],
 }
@@ -245,7 +247,7 @@ def as_text(messages: list[dict]) -> list[dict]:
 def test_chat_prompt_equals_apply_chat_template(served, conversation):
     messages = CONVERSATIONS[conversation]
     runner = served.client.app.state.pt2serve.runner
-    rendered = _prompt_ids(runner, parse_chat({"messages": messages}))  # what the endpoint submits
+    (rendered,) = _prompt_ids(runner, parse_chat({"messages": messages}))  # what the endpoint submits
     assert rendered == hf_chat_ids(served.tokenizer, as_text(messages))
 
 
@@ -287,7 +289,7 @@ def test_a_template_that_writes_no_bos_gets_none(served, tmp_path):
     try:
         messages = CONVERSATIONS["system"]
         expected = hf_chat_ids(served.tokenizer, messages, chat_template=chatml)
-        assert _prompt_ids(runner, parse_chat({"messages": messages})) == expected
+        assert _prompt_ids(runner, parse_chat({"messages": messages})) == [expected]
     finally:
         runner.close()
 
@@ -301,7 +303,7 @@ def test_without_a_template_chat_uses_plain_role_lines(served, tmp_path):
     try:
         messages = [SYSTEM, {"role": "user", "content": "Hello world!"}]
         expected = served.tokenizer(f"system: {SYSTEM['content']}\nuser: Hello world!\nassistant:")["input_ids"]
-        assert _prompt_ids(runner, parse_chat({"messages": messages})) == expected
+        assert _prompt_ids(runner, parse_chat({"messages": messages})) == [expected]
         with TestClient(create_app(ServerConfig(model_name="plain"), runner)) as client:
             response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4,
                                                                   "temperature": 0})

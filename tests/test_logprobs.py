@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from pt2serve.model.eager import EagerSequence
@@ -114,7 +115,8 @@ def test_streamed_logprobs_equal_non_streamed(chunked_client):
     full = chunked_client.completions.create(**kwargs).choices[0].logprobs
     streamed = [c.choices[0].logprobs for c in chunked_client.completions.create(**kwargs, stream=True)
                 if c.choices and c.choices[0].logprobs is not None]
-    assert [v for lp in streamed for v in lp.token_logprobs] == full.token_logprobs
+    # Equal up to float rounding: the second run may compute from the first one's cached cells, in other steps.
+    assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(full.token_logprobs, abs=1e-5)
     assert [t for lp in streamed for t in lp.top_logprobs] == full.top_logprobs
     echoed = chunked_client.completions.create(**kwargs, echo=True)
     chunks = list(chunked_client.completions.create(**kwargs, echo=True, stream=True))

@@ -232,7 +232,7 @@ def test_an_event_stays_one_line_for_clients_that_split_lines_like_python():
     """httpx's aiter_lines and requests' iter_lines split where str.splitlines does, which includes U+0085,
     U+2028 and U+2029: characters JSON leaves raw inside strings."""
     text = "a\x85b\u2028c\u2029d\re\nf"
-    event = sse(CompletionFormat(MODEL).chunk(text, True, False)).decode()
+    event = sse(CompletionFormat(MODEL).chunk(0, text, True, False)).decode()
     (line,) = [line for line in event.splitlines() if line]
     assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text
 
