@@ -140,6 +140,16 @@ def test_a_stalled_client_holds_up_only_itself(toy_server, toy_runner):
         stalled.close()
 
 
+def test_a_client_that_leaves_while_sending_its_request_is_no_server_error(toy_server, caplog):
+    body = json.dumps({"model": MODEL, "prompt": [BOS, 7], "max_tokens": 4}).encode()
+    with socket.create_connection(address(toy_server)) as sock:
+        sock.sendall(http_request(body)[: -len(body) // 2])  # the headers promise the whole body; half comes
+        time.sleep(0.2)
+    time.sleep(0.2)  # the server notices the disconnect
+    assert httpx.get(f"{toy_server}/health").status_code == 200
+    assert not [r for r in caplog.records if "unexpected error" in r.getMessage()]
+
+
 # -- limits ------------------------------------------------------------------------------------------------------
 
 

@@ -201,6 +201,28 @@ def test_failed_step_fails_only_its_requests():
     assert second.stats.completion_tokens > 0
 
 
+def test_a_preempted_request_is_not_starved_by_a_stream_of_new_arrivals():
+    """Under steady pool pressure a new short request arrives every step. A long request that arrives
+    later is preempted to make room; it must still finish while arrivals go on, rather than wait behind
+    each new arrival for good (seen as a stream silent for minutes under a soak)."""
+    scheduler = make_scheduler(num_cells=160, budget=64, min_chunk=8)
+    model, shorts, long = ContextModel(), [], None
+    for step in range(3000):
+        shorts.append(add_request_with(scheduler, [2000 + step] + list(range(1, 24)), max_new=24))
+        if step == 40:
+            long = add_request_with(scheduler, [1] + list(range(2, 100)), max_new=48)
+        plan = scheduler.plan()
+        scheduler.commit(plan, model.step(scheduler.executor_chunks(plan)))
+        if long is not None and long.finish_reason is not None:
+            break
+    assert long.finish_reason is FinishReason.LENGTH, f"still waiting after 3000 steps ({long.stats.preemptions} preemptions)"
+    assert long.stats.preemptions > 0
+    assert step < 500, f"finished only after {step - 40} steps"
+    run_with_model(scheduler, model)
+    assert all(r.finish_reason is FinishReason.LENGTH for r in shorts)
+    assert_pool_returns_to_empty(scheduler)
+
+
 def add_request_with(scheduler: Scheduler, prompt: list[int], max_new: int = 4, **spec) -> Request:
     request = Request(next(_ids), RequestSpec(tuple(prompt), max_new, **spec), list(prompt), RequestRandom(0))
     scheduler.add(request)
@@ -372,23 +394,24 @@ def test_a_stop_token_found_late_drops_the_queued_decode_and_its_cell():
 
 
 def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
-    scheduler = make_scheduler(num_cells=12, budget=16, min_chunk=1)
-    first = add_request(scheduler, 8, max_new=1)
-    prefill = scheduler.plan()
-    second = add_request(scheduler, 6, max_new=2)
-    # The first request has its one sample in flight and nothing left to schedule; the second needs 6 cells
-    # of the 3 free: the first is preempted (its queued step still runs on cells that later, ordered steps
-    # reuse).
+    scheduler = make_scheduler(num_cells=13, budget=16, min_chunk=1)  # 12 cells and the scratch cell
+    older = add_request(scheduler, 4, max_new=5)
+    scheduler.commit(scheduler.plan(), (20,))
+    newer = add_request_with(scheduler, list(range(100, 107)), max_new=1)  # shares no prefix with the older
+    both = scheduler.plan()  # the older one's decode and the newer one's prompt: the pool is full
+    assert [c.request_id for c in both.chunks] == [older.id, newer.id]
+    # The older request's next decode needs a cell: the newer one, with its one sample in flight and nothing
+    # left to schedule, gives way (its queued step still runs on cells that later, ordered steps reuse).
     plan = scheduler.plan()
-    assert [c.request_id for c in plan.chunks] == [second.id]
-    assert first.status is RequestStatus.WAITING and first.num_computed == 0 and first.num_unresolved == 1
-    scheduler.finish(second.id, FinishReason.CANCELLED)  # room again
+    assert [c.request_id for c in plan.chunks] == [older.id]
+    assert newer.status is RequestStatus.WAITING and newer.num_computed == 0 and newer.num_unresolved == 1
+    scheduler.finish(older.id, FinishReason.CANCELLED)  # room again
     later = scheduler.plan()
-    assert not later.chunks  # the first is not recomputed before its sample is known
-    events = scheduler.commit(prefill, (21,))
-    assert [(e.request_id, e.token, e.finish_reason) for e in events] == [(first.id, 21, FinishReason.LENGTH)]
-    assert scheduler.commit(plan, (22,)) == []
-    assert first.tokens[8:] == [21]
+    assert not later.chunks  # the newer one is not recomputed before its sample is known
+    events = scheduler.commit(both, (21, 22))
+    assert [(e.request_id, e.token, e.finish_reason) for e in events] == [(newer.id, 22, FinishReason.LENGTH)]
+    assert scheduler.commit(plan, (23,)) == []
+    assert newer.tokens[7:] == [22]
     assert_pool_returns_to_empty(scheduler)
 
 

@@ -3,12 +3,18 @@ by scripts/soak.py for 60 s (PT2SERVE_SOAK_SECONDS to change it); every end-of-r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
+
+from pt2serve.soak.calls import Target, via_openai
+from pt2serve.soak.oracle import Ask, Oracle
 from servers import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,3 +46,20 @@ def test_soak_on_the_cpu(toy_artifact, tmp_path):
     assert code == 0 and "Traceback" not in stderr, stderr[-4000:]
     # Streams whose clients left were not written to once per queued event (asyncio warns from the 6th write).
     assert "socket.send() raised exception" not in stderr
+
+
+def test_a_stream_that_goes_silent_is_a_problem_in_the_report_not_a_crash():
+    """openai 1.x does not wrap an httpx read timeout raised while a stream is read (seen in a soak on the
+    GPU machine, which ended the soak): the request must record it as its problem instead."""
+
+    async def one_chunk_then_silence():
+        yield SimpleNamespace(usage=None, choices=[SimpleNamespace(text="a", finish_reason=None)])
+        raise httpx.ReadTimeout("")
+
+    async def create(**kwargs):
+        return one_chunk_then_silence()
+
+    client = SimpleNamespace(completions=SimpleNamespace(create=create))
+    target = Target("http://soak.test", "m", None, client, Oracle(toy_greedy=False))
+    outcome = asyncio.run(via_openai(target, "long", Ask([1, 2, 3], 8), stream=True))
+    assert outcome.status == 200 and outcome.problem.startswith("ReadTimeout"), outcome

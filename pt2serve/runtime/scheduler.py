@@ -3,12 +3,14 @@
 One rule drives it: each request's computed tokens catch up with its known tokens. Each step:
   1. decode: one token for each running request whose only pending token is its newest sample, up to
      `max_decode_sequences` (rotating, so all get turns), leaving room for prefill when prompts wait;
-  2. prefill: the rest of the token budget goes to pending prompts, least recently served first, each
-     taking a chunk, so no prompt starves.
+  2. prefill: the rest of the token budget goes to pending prompts, each taking a chunk: preempted requests
+     first, oldest first, then the others least recently served first, so no prompt starves.
 Cells are allocated as tokens are scheduled. Every request starts from the longest cached prefix of its
 tokens (prefix_cache.py); the cells of known tokens go into the cache as prompts are computed and when a
 request ends or is preempted. When the pool runs dry the cache frees exactly the cells missing, least
-recently used first, and only then is the most recently admitted request preempted (recomputed later).
+recently used first, and only then is a request that arrived later than the one asking preempted (the
+latest first; recomputed later). Arrival order is priority: the oldest request can always make progress,
+and neither a new arrival nor a stream of them can push an older request out of the pool for good.
 
 `plan()` returns a StepPlan of plain data; `commit(plan, tokens)` applies the executor's output. A plan
 may be made while the previous one still runs (one step in flight): scheduling advances num_computed at
@@ -82,7 +84,7 @@ class Scheduler:
                                         config.session_pin_seconds)
         self.requests: dict[int, Request] = {}
         self._waiting: deque[int] = deque()  # FIFO of requests holding no cells
-        self._running: list[int] = []  # admission order (last = first preempted)
+        self._running: list[int] = []  # admission order
         self._decode_turn = 0
         self._sampling_index: dict[int, int] = {}  # request id -> its sampling chunk's index in the last plan
         self.step = 0
@@ -149,9 +151,7 @@ class Scheduler:
 
     def _schedule_prefills(self, scheduled: dict[int, ScheduledChunk], budget: int) -> None:
         prefilling = [r for r in self._running if r not in scheduled and not self.requests[r].is_decoding]
-        # Round-robin: the prompt served longest ago (never, for new arrivals) goes first.
-        order = sorted(prefilling + list(self._waiting),
-                       key=lambda r: (self.requests[r].last_prefill_step, r))
+        order = sorted(prefilling + list(self._waiting), key=lambda r: _prefill_priority(self.requests[r]))
         for request_id in order:
             if budget <= 0:
                 break
@@ -224,7 +224,8 @@ class Scheduler:
         while not self.allocator.can_allocate(count):
             if self.prefix_cache.evict(count - self.allocator.num_free):
                 continue
-            victim = next((r for r in reversed(self._running) if r != request.id and r not in scheduled), None)
+            # Only a later arrival gives way (ids follow arrival), the latest first.
+            victim = max((r for r in self._running if r > request.id and r not in scheduled), default=None)
             if victim is None:
                 return False
             self._preempt(self.requests[victim])
@@ -340,6 +341,15 @@ class Scheduler:
         held += self.prefix_cache.held_cells()
         owned = len(np.unique(np.concatenate(held))) if held else 0
         return self.allocator.num_used - owned
+
+
+def _prefill_priority(request: Request) -> tuple[int, ...]:
+    """Preempted requests first, oldest first; then round-robin: the prompt served longest ago (never, for
+    new arrivals) goes first. Ranking a preempted request as a new arrival would put every later arrival
+    ahead of it, step after step."""
+    if request.stats.preemptions:
+        return (0, request.id)
+    return (1, request.last_prefill_step, request.id)
 
 
 def _banned(request: Request) -> tuple[int, ...]:

@@ -216,7 +216,9 @@ def _max_tokens(runner: Runner, config: ServerConfig, req: GenerationRequest, nu
 async def _respond(request: Request, generations: list[Generation], render: Rendering) -> Response:
     """Wait for every choice; a client that disconnects first has its requests cancelled."""
     disconnect = asyncio.ensure_future(wait_for_disconnect(request.receive))
-    done = asyncio.gather(*(generation.done for generation in generations))
+    # A task waiting for the choices, not a gather: a cancelled gather keeps a CancelledError that nobody
+    # retrieves (logged when collected), a cancelled task is just cancelled.
+    done = asyncio.ensure_future(asyncio.wait([generation.done for generation in generations]))
     try:
         await asyncio.wait({done, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     finally:

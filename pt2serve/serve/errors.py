@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("pt2serve.serve")
@@ -89,6 +90,8 @@ class UnexpectedErrors:
 
         try:
             await self.app(scope, receive, send_tracked)
+        except ClientDisconnect:  # the client left before its request was read: nobody to answer, nothing broke
+            return
         except Exception as err:
             if started:  # part of a response is out: nothing to answer, let uvicorn close the connection
                 raise

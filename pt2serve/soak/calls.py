@@ -90,6 +90,8 @@ async def via_openai(target: Target, kind: str, ask: Ask, stream: bool) -> Outco
         return rejected(kind, err.status_code, err.message)
     except openai.APIError as err:  # an error event in a stream, a dropped connection, a timeout
         return Outcome(kind, status, f"{type(err).__name__}: {err}"[:300])
+    except Exception as err:  # a transport error while a stream is read, which not every client version wraps
+        return Outcome(kind, status, f"{type(err).__name__}: {err}"[:300])
     cached = _cached(usage)
     return Outcome(kind, 200, target.oracle.problem(ask, got), time.perf_counter() - started, ttft, cached)
 
