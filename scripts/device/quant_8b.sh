@@ -16,11 +16,17 @@ OUT=${OUT:-/tmp/pt2serve-out}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/quant}; mkdir -p "$WORK"
 SIZES=${SIZES:-1,32,64}   # the static widths the sweep needs (forward_others covers 1024)
 TOKENS=${TOKENS:-1,32,64,1024}
+STEPS=${STEPS:-1 2 3 4}   # a subset runs alone, e.g. STEPS="1 2" for the kernels and the toy checks
+step() { [[ " $STEPS " == *" $1 "* ]]; }
 pt2serve() { python3 -m pt2serve.cli "$@"; }
 
+if step 1; then
 echo "== 1. kernels"
 timeout 600 python3 scripts/device/quant_kernels.py 2>&1 | tee "$OUT/kernels.txt"
 
+fi
+
+if step 2; then
 echo "== 2. toy-greedy int8 / int4: method and width checks"
 for q in int8 int4; do
   flags="--quantize $q"
@@ -32,6 +38,9 @@ for q in int8 int4; do
   timeout 600 python3 scripts/device/graphs_check.py "$WORK/toy-$q.pt2" 2>&1 | tail -15 | tee "$OUT/toy-$q-widths.txt"
 done
 
+fi
+
+if step 3; then
 echo "== 3. $PRESET bf16 / int8 / int4"
 : > "$OUT/exports.tsv"
 for q in bf16 int8 int4; do
@@ -51,6 +60,9 @@ print(f'{time.perf_counter() - started:.1f}')")
   pt2serve inspect "$WORK/$q.pt2" | grep -i "quantization\|weights"
 done
 
+fi
+
+if step 4; then
 echo "== 4. sweeps and quality"
 for q in bf16 int8 int4; do
   [ -f "$WORK/$q.pt2" ] || continue
@@ -63,6 +75,9 @@ for q in int8 int4; do
     --requests 8 --prompt-tokens 64 --max-new-tokens 32 --json "$OUT/quality-$q.json" | tail -6
 done
 
+fi
+
+[ -f "$OUT/exports.tsv" ] || exit 0   # no 8B exports this run: no table
 echo "== table"
 python3 - "$OUT" <<'EOF'
 import json, sys

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU: the serving load of 64 requests x 512 prompt tokens -> 128 new tokens, all arriving at once, on the
 # llama-3.1-8b preset (bf16): `bench --mode requests` in process at the runner's default step budget, then
-# through `serve-artifact` on 127.0.0.1 (default budget) with `bench --url`, then in process at a few fixed
-# token budgets. One table last: output tok/s, TTFT and TPOT p50/p90/p99, steps and mean step width.
+# through `serve-artifact` on 127.0.0.1 (default budget) with `bench --url`, with the server's launch-to-ready
+# time, and the same load at Poisson rates $RATES (the saturation table, printed by bench), then in process at
+# a few fixed token budgets. One table last: output tok/s, TTFT and TPOT p50/p90/p99, steps and mean step width.
 # Exports /tmp/model.pt2 first unless it is already there. After the export it keeps to RUN_LIMIT_S (530 s):
 # a run that no longer fits is skipped and shown as such. JSON of every run and the server's log: $OUT.
 # The server needs fastapi, starlette, uvicorn, pydantic(-core), annotated-types, typing-inspection and the
@@ -15,6 +16,7 @@ PRESET=${PRESET:-llama-3.1-8b}
 ARTIFACT=${ARTIFACT:-/tmp/model.pt2}
 BUDGETS=${BUDGETS:-512 1024 2048 4096}
 PORT=${PORT:-8321}
+RATES=${RATES:-8,16,32,64}   # offered request rates (Poisson) for the saturation sweep through the server
 OUT=${OUT:-/tmp/pt2serve-out}; mkdir -p "$OUT"
 rm -f "$OUT"/in-process-*.json "$OUT/http-default.json" "$OUT/server.log"  # the table shows this run's only
 REQUESTS=${REQUESTS:-64} PROMPT_TOKENS=${PROMPT_TOKENS:-512} NEW_TOKENS=${NEW_TOKENS:-128}
@@ -52,13 +54,16 @@ run_bench in-process-default "$ARTIFACT"
 echo "== server on 127.0.0.1:$PORT"
 python3 -m pt2serve.cli serve-artifact "$ARTIFACT" --host 127.0.0.1 --port "$PORT" >"$OUT/server.log" 2>&1 &
 server=$!
+launched=$(date +%s)
 until grep -q "(ready)" "$OUT/server.log"; do
   if ! kill -0 "$server" 2>/dev/null || [ "$(left)" -lt 60 ]; then echo "the server did not come up"; break; fi
   sleep 1
 done
 cat "$OUT/server.log"
 if grep -q "(ready)" "$OUT/server.log"; then
+  echo "serve-artifact ready after $(( $(date +%s) - launched )) s (launch to ready: weights, pool, graphs)"
   run_bench http-default --url "http://127.0.0.1:$PORT"
+  run_bench http-rates --url "http://127.0.0.1:$PORT" --request-rates "$RATES"
 fi
 kill -INT "$server" 2>/dev/null; wait "$server" 2>/dev/null
 
