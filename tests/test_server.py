@@ -13,6 +13,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -26,6 +27,7 @@ from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.serve.app import attach_runner, create_app
 from pt2serve.serve.config import ServerConfig
+from pt2serve.serve.generation import EventBridge
 from servers import ServeProcess, ServerThread
 from pt2serve.serve.openai_format import CompletionFormat, sse
 
@@ -239,6 +241,44 @@ def test_an_event_stays_one_line_for_clients_that_split_lines_like_python():
 
 
 # -- prefix reuse -------------------------------------------------------------------------------------------
+
+
+def test_engine_events_reach_the_loop_in_order_with_one_wake_up_per_burst(caplog):
+    async def deliver() -> tuple[list[int], int]:
+        bridge = EventBridge(asyncio.get_running_loop())
+        received, wake_ups, done = [], 0, asyncio.Event()
+        run_pending = bridge._run_pending
+
+        def counted() -> None:
+            nonlocal wake_ups
+            wake_ups += 1
+            run_pending()
+
+        bridge._run_pending = counted
+
+        def on_event(i: int) -> None:
+            if i == 3:
+                raise RuntimeError("a callback that breaks")
+            received.append(i)
+            if i == 199:
+                done.set()
+
+        def engine() -> None:  # two steps' bursts of 100 events, as the runner delivers a step's events
+            for burst in range(2):
+                for i in range(100 * burst, 100 * (burst + 1)):
+                    bridge.call_soon(on_event, i)
+                time.sleep(0.05)
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        await asyncio.wait_for(done.wait(), 10)
+        thread.join()
+        return received, wake_ups
+
+    received, wake_ups = asyncio.run(deliver())
+    assert received == [i for i in range(200) if i != 3]  # in order; one failing callback stops no other
+    assert 2 <= wake_ups <= 10, wake_ups  # a burst wakes the loop about once, not once per event
+    assert any("a callback that breaks" in r.getMessage() or r.exc_info for r in caplog.records)
 
 
 def test_a_continuation_reuses_the_previous_turn_with_or_without_a_session(server):

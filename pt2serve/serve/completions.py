@@ -74,7 +74,7 @@ def _start(runner: Runner, state: ServerState, req: GenerationRequest, arrived: 
         for prompt_index, (ids, limit) in enumerate(zip(prompts, max_tokens)):
             first = None
             for params in sampling:
-                generation = Generation(runner, state.metrics, arrived, prompt_index, first)
+                generation = Generation(runner, state.metrics, state.event_bridge(), arrived, prompt_index, first)
                 generations.append(generation)
                 generation.start(ids, limit, params, req.stop, req.stop_token_ids, session_id, req.ignore_eos,
                                  req.logprobs, prompt_logprobs if first is None else None, grammar)
@@ -245,6 +245,10 @@ def _usage(generations: list[Generation]) -> Usage:
 
 async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, list[StreamEvent]]]:
     """(choice index, batch of events) as they come from every choice, until all have finished."""
+    if len(generations) == 1:  # the common case needs no pump task and second queue per event
+        async for batch in generations[0].event_batches():
+            yield 0, batch
+        return
     queue: asyncio.Queue[tuple[int, list[StreamEvent]]] = asyncio.Queue()
 
     async def pump(index: int, generation: Generation) -> None:

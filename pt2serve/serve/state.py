@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
 from pt2serve.runtime.runner import Runner
 from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.errors import ApiError
+from pt2serve.serve.generation import EventBridge
 from pt2serve.serve.metrics import ServerMetrics
 
 
@@ -24,9 +26,16 @@ class ServerState:
     draining: bool = False  # set once, on the event loop, when a shutdown begins
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
+    _bridge: EventBridge | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(lambda: self.runner)
+
+    def event_bridge(self) -> EventBridge:
+        """The one bridge from the engine thread into the serving loop (call on the loop)."""
+        if self._bridge is None:
+            self._bridge = EventBridge(asyncio.get_running_loop())
+        return self._bridge
 
     def ready_runner(self) -> Runner:
         if self.runner is None:
