@@ -39,9 +39,21 @@ def test_pack_unpack_round_trip(bits):
     assert torch.equal(unpack(packed, bits), q)
 
 
-def test_int4_nibble_order():
-    """Column 2j in the low nibble of byte j, column 2j+1 in the high one (the kernels rely on it)."""
-    assert pack(torch.tensor([[1, 2, 15, 0]]), 4).tolist() == [[0x21, 0x0F]]
+def test_int4_split_halves():
+    """Byte j of a 256-column block holds column j low and column j + 128 high; a short last block of L
+    columns holds j and j + L / 2 (the kernels rely on it)."""
+    assert pack(torch.tensor([[1, 2, 15, 0]]), 4).tolist() == [[0xF1, 0x02]]
+    q = torch.randint(0, 16, (3, 256 + 12), dtype=torch.uint8)
+    packed = pack(q, 4)
+    assert packed.shape == (3, 134)
+    assert torch.equal(packed[:, :128] & 15, q[:, :128]) and torch.equal(packed[:, :128] >> 4, q[:, 128:256])
+    assert torch.equal(packed[:, 128:] & 15, q[:, 256:262]) and torch.equal(packed[:, 128:] >> 4, q[:, 262:])
+
+
+@pytest.mark.parametrize("num_columns", [2, 96, 256, 384, 4096, 4098])
+def test_int4_round_trip_over_whole_and_short_blocks(num_columns):
+    q = torch.randint(0, 16, (5, num_columns), dtype=torch.uint8)
+    assert torch.equal(unpack(pack(q, 4), 4), q)
 
 
 def test_dequantize_uses_each_columns_group_and_the_midpoint_when_symmetric():
