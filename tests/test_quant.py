@@ -20,10 +20,12 @@ from pt2serve.model.checkpoint import load_checkpoint, load_model
 from pt2serve.model.eager import EagerSequence, greedy_generate
 from pt2serve.model.presets import build_preset_model, toy_greedy_continuation
 from pt2serve.model.quant import (
+    LinearFormat,
     QuantizedEmbedding,
     QuantizedLinear,
     QuantScheme,
     describe_quantization,
+    formats_from_weights,
     quantize_model,
     quantize_weight,
 )
@@ -123,6 +125,17 @@ def test_toy_greedy_keeps_its_designed_tokens(scheme):
     assert describe_quantization(model, "rtn")["group_size"] == scheme.group_size
     for prompt in ([256, 5, 9], [1, 2, 3, 200]):
         assert greedy_generate(model, prompt, 12) == toy_greedy_continuation(prompt, 12)
+
+
+def test_artifact_records_name_their_packing():
+    """Layers are rebuilt from an artifact's record only when its bytes mean what this version's do."""
+    names = ["layers.0.mlp.down_proj.qweight", "layers.0.mlp.down_proj.scales", "layers.0.mlp.down_proj.zeros"]
+    record = {"bits": 4, "group_size": 32}
+    formats = formats_from_weights(names, {**record, "packing": "split-halves-256"})
+    assert formats == {"layers.0.mlp.down_proj": LinearFormat(4, 32, has_zeros=True)}
+    with pytest.raises(Pt2ServeError, match="an earlier int4 layout.*re-export"):
+        formats_from_weights(names, record)
+    assert formats_from_weights(names[:2], {"bits": 8, "group_size": None})  # int8 bytes never changed
 
 
 def test_tied_embedding_quantized_once_serves_as_the_head():

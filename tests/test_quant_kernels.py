@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +154,18 @@ def test_operator_exports_with_a_dynamic_width(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "exported" in done.stdout, done.stderr[-3000:]
+
+
+def test_device_benchmark_runs_on_the_cpu():
+    """scripts/device/quant_kernels.py --cpu-smoke: every row of both tables is computed, and correct."""
+    script = Path(__file__).parents[1] / "scripts" / "device" / "quant_kernels.py"
+    done = subprocess.run([sys.executable, str(script), "--cpu-smoke", "--widths", "1,65", "--configs"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["tiny"]]
+    widths = [(row[1], row[2]) for row in rows[:4]]
+    assert widths == [("int8", "1"), ("int8", "65"), ("int4", "1"), ("int4", "65")]
+    configs = rows[4:]
+    assert len(configs) > 10 and {row[3] for row in configs} == {"gemv", "dot"}
+    errors = [float(row[3]) for row in rows[:4]] + [float(row[-3]) for row in configs]
+    assert max(errors) < 1e-5

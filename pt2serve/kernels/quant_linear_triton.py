@@ -10,8 +10,9 @@ Which path serves a call is fixed when the method is traced:
   streams whole runs of each row (64-256 bytes) and K is split until the GPU holds enough programs to keep
   that many bytes in flight. The splits write fp32 partial sums that one reduction adds (deterministic,
   unlike atomics). Two kernels, picked by the launch config:
-  - gemv: no tensor cores; each row of x is a broadcast multiply and a sum over the run (the fewest
-    instructions per weight byte, for M up to GEMV_M_MAX);
+  - gemv: no tensor cores; each weight is multiplied into per-column partial products of each row of x,
+    summed across the tile once after the loop (the fewest instructions per weight byte, and no
+    cross-thread reduction inside the loop; for M up to GEMV_M_MAX);
   - dot: every row of x rides along in one tl.dot (BLOCK_M padded to 16).
 - Wide M (a static width > SMALL_M_MAX, and the dynamic method forward_others, whose width is data):
   one kernel dequantizes the whole weight into x's dtype (reading each packed byte once, writing the bf16
@@ -19,14 +20,15 @@ Which path serves a call is fixed when the method is traced:
   so this runs near the bf16 rate; forward_others serves narrow steps too when CUDA graphs are off, and
   then pays the dequantization on every call.
 
-A nibble run (quant_linear.py: one nibble of consecutive bytes holds consecutive columns) lies inside one
-group whenever the group size is a multiple of the run; then the kernels subtract the zero exactly
-(q - zero is an integer of at most 9 bits: exact in bf16 and fp16), multiply-add with x in fp32, and
-scale the run's sum once per row. Otherwise each weight is scaled before it is used.
+A run (one nibble, or the byte, of BLOCK_B consecutive bytes: consecutive columns, see quant_linear.py)
+lies inside one group whenever the group size is a multiple of BLOCK_B (UNIFORM_GROUPS); then the kernels
+load one scale and zero per row and run instead of per weight, and the dot kernel multiplies x by the
+exact q - zero (an integer of at most 9 bits: exact in bf16 and fp16) and scales the run's product once
+per row. Otherwise each weight is scaled with its own column's group.
 
 Integers become floats by the exponent trick (OR into the mantissa of 2**23, then subtract 2**23, folded
 with the zero): two full-rate instructions instead of an int-to-float conversion, which runs at a
-quarter of the rate and would cap int4 below the bandwidth.
+fraction of the rate and would cap int4 below the bandwidth.
 
 Kernels take sizes as plain ints (constexpr sizes would be specialized silently); the format's constants
 (bits, group size, whether zeros and perm exist) are constexpr: they never change for a weight.
@@ -87,16 +89,19 @@ def _run_weights(
             zero = tl.load(zeros_ptr + group, mask=n_mask, other=0).to(tl.float32)
         else:
             zero = tl.zeros_like(scale) + MIDPOINT
-        return as_float - (zero + MAGIC)[:, None], scale
-    columns = start + tl.arange(0, BLOCK_B)
-    group = offs_n[:, None] * num_groups + columns[None, :] // GROUP_SIZE
-    mask = n_mask[:, None] & b_mask[None, :]
-    scale = tl.load(scales_ptr + group, mask=mask, other=0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(zeros_ptr + group, mask=mask, other=0).to(tl.float32)
+        w = as_float - (zero + MAGIC)[:, None]
     else:
-        zero = MIDPOINT
-    return (as_float - (MAGIC + zero)) * scale, tl.zeros_like(offs_n).to(tl.float32) + 1.0
+        columns = start + tl.arange(0, BLOCK_B)
+        group = offs_n[:, None] * num_groups + columns[None, :] // GROUP_SIZE
+        mask = n_mask[:, None] & b_mask[None, :]
+        column_scale = tl.load(scales_ptr + group, mask=mask, other=0).to(tl.float32)
+        if HAS_ZEROS:
+            w = as_float - (tl.load(zeros_ptr + group, mask=mask, other=0).to(tl.float32) + MAGIC)
+        else:
+            w = as_float - (MAGIC + MIDPOINT)
+        w = w * column_scale
+        scale = tl.zeros_like(offs_n).to(tl.float32) + 1.0
+    return w, scale
 
 
 @triton.jit
@@ -128,53 +133,90 @@ def _accumulate_run(
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """acc [BLOCK_M, BLOCK_N] += x[:, run's inputs] @ W[offs_n, run].T for one run of BLOCK_B columns."""
+    """Adds x[:, run's inputs] @ W[offs_n, run].T for one run of BLOCK_B columns to acc.
+
+    dot: acc [BLOCK_M, BLOCK_N]. gemv: acc [BLOCK_M, BLOCK_N, BLOCK_B] holds per-column products, summed
+    once after the loop, so the loop has no cross-thread reduction: one multiply-add per weight and row.
+    """
     w, scale = _run_weights(q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
                             BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
     x = _load_x_run(x_ptr, perm_ptr, start, offs_m, m_mask, b_mask, stride_xm, HAS_PERM, BLOCK_B)
     if USE_DOT:
-        partial = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+        acc = acc + tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION) * scale[None, :]
     else:
-        partial = tl.sum(w[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
-    return acc + partial * scale[None, :]
+        if UNIFORM_GROUPS:
+            w = w * scale[:, None]
+        acc = acc + w[None, :, :] * x.to(tl.float32)[:, None, :]
+    return acc
+
+
+@triton.jit
+def _accumulate_step(
+    acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_m, m_mask, offs_n, n_mask,
+    num_groups, stride_xm,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Adds the products of one step's packed bytes (b0 .. b0 + BLOCK_B of each row) to acc."""
+    if BITS == 4:
+        low, high = _int4_run_starts(b0, K)
+        acc = _accumulate_run(acc, packed & 15, low, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
+                              offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
+                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+        acc = _accumulate_run(acc, packed >> 4, high, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
+                              offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
+                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+    else:
+        acc = _accumulate_run(acc, packed, b0, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
+                              offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
+                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+    return acc
 
 
 @triton.jit
 def quant_linear_small_m_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr,
-    M, N, K, num_groups, bytes_per_split, stride_xm, stride_qn,
+    M, N, K, row_bytes, num_groups, bytes_per_split, stride_xm, stride_qn,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (n, s): outputs n*BLOCK_N.. of all M rows over the packed bytes of split s, into out[s]
-    ([splits, M, N]); each step takes BLOCK_B bytes of BLOCK_N rows."""
+    ([splits, M, N]); each step takes BLOCK_B bytes of BLOCK_N rows (row_bytes = K * BITS / 8, passed in
+    so that Triton sees its divisibility and vectorizes the masked loads)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    row_bytes = K * BITS // 8
     b_start = pid_k * bytes_per_split
     b_end = tl.minimum(b_start + bytes_per_split, row_bytes)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for b0 in range(b_start, b_end, BLOCK_B):
-        offs_b = b0 + tl.arange(0, BLOCK_B)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for b0 in range(b_start, b_end, BLOCK_B):  # Triton pipelines these loads (num_stages): they feed tl.dot
+            offs_b = b0 + tl.arange(0, BLOCK_B)
+            b_mask = offs_b < b_end
+            packed = _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn)
+            acc = _accumulate_step(acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
+                                   offs_m, m_mask, offs_n, n_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
+                                   HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+    else:
+        # Loads that feed no tl.dot are not pipelined: each step loads the next step's bytes before it
+        # works on its own, so two steps are in flight per program (a few registers: the packed bytes).
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B), dtype=tl.float32)
+        offs_b = b_start + tl.arange(0, BLOCK_B)
         b_mask = offs_b < b_end
         packed = _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn)
-        if BITS == 4:
-            low, high = _int4_run_starts(b0, K)
-            acc = _accumulate_run(acc, packed & 15, low, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
-                                  offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
-                                  HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
-            acc = _accumulate_run(acc, packed >> 4, high, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
-                                  offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
-                                  HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
-        else:
-            acc = _accumulate_run(acc, packed, b0, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
-                                  offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
-                                  HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+        for b0 in range(b_start, b_end, BLOCK_B):
+            next_offs_b = offs_b + BLOCK_B
+            next_b_mask = next_offs_b < b_end
+            next_packed = _load_packed(qweight_ptr, offs_n, n_mask, next_offs_b, next_b_mask, stride_qn)
+            acc = _accumulate_step(acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
+                                   offs_m, m_mask, offs_n, n_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
+                                   HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+            offs_b, b_mask, packed = next_offs_b, next_b_mask, next_packed
+        acc = tl.sum(acc, axis=2)
     out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -243,6 +285,14 @@ class LaunchConfig:
 # memory system needs tens of KB in flight per SM to reach its bandwidth.
 PROGRAMS_PER_SM = {False: 8, True: 4}
 
+# Tiles that compile for sm_90 without spilling registers (checked with Triton's ptxas at 4 and 8 bits):
+# gemv holds BLOCK_M x BLOCK_N x BLOCK_B fp32 products per program, so its N shrinks as M grows; the dot
+# kernel holds two dequantized [BLOCK_N, BLOCK_B] runs (int4) next to its accumulator.
+GEMV_PRODUCTS_MAX = 32 * 128  # BLOCK_M x BLOCK_N x BLOCK_B per 128 threads
+DOT_TILES = (  # block_n, block_bytes, num_warps; the first is the default
+    (64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 128, 8), (128, 64, 8),
+)
+
 
 def small_m_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> list[LaunchConfig]:
     """The launch configs worth timing for M = num_rows <= SMALL_M_MAX; the first is the default.
@@ -251,20 +301,19 @@ def small_m_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -
     default.
     """
     tiles = []
-    widest_bytes = 128 if bits == 4 else 256
     if num_rows <= GEMV_M_MAX:
         block_m = triton.next_power_of_2(num_rows)
-        # The broadcast product holds BLOCK_M x BLOCK_N x BLOCK_B floats: narrower N for wider M.
-        for block_n in (16, 8, 32) if block_m < 8 else (8, 16, 32):
-            for block_bytes in (128, widest_bytes) if bits == 8 else (128, 64):
-                for num_stages in (1, 3):
-                    tiles.append(LaunchConfig(False, block_m, block_n, block_bytes, 4, num_stages))
+        for block_bytes in (128, 256) if bits == 8 else (128,):
+            for block_n in (16, 8, 32, 64) if block_m == 1 else (8, 16, 32):
+                for num_warps in (4, 8):
+                    if block_m * block_n * block_bytes > GEMV_PRODUCTS_MAX * num_warps // 4:
+                        continue
+                    tiles.append(LaunchConfig(False, block_m, block_n, block_bytes, num_warps, num_stages=1))
     block_m = max(16, triton.next_power_of_2(num_rows))
-    for block_n in (32, 64, 128):
-        for block_bytes in (128, 64):
-            for num_stages in (3, 4):
-                tiles.append(LaunchConfig(True, block_m, block_n, block_bytes, 4, num_stages))
-    return [with_split(tile, num_rows, n, k, bits, num_sms) for tile in dict.fromkeys(tiles)]
+    for block_n, block_bytes, num_warps in DOT_TILES:
+        for num_stages in (4, 3):
+            tiles.append(LaunchConfig(True, block_m, block_n, block_bytes, num_warps, num_stages))
+    return [with_split(tile, num_rows, n, k, bits, num_sms) for tile in tiles]
 
 
 def small_m_config(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> LaunchConfig:
@@ -275,12 +324,12 @@ def with_split(tile: LaunchConfig, num_rows: int, n: int, k: int, bits: int, num
     """Split K until the GPU holds PROGRAMS_PER_SM programs per SM.
 
     A split's partial sums (M x N fp32, written and read once) must stay small next to the packed
-    weights it saves reading in parallel, so wider M splits less.
+    weights it saves reading in parallel (at most half their bytes), so wider M splits less.
     """
     row_bytes = k * bits // 8
     programs_n = triton.cdiv(n, tile.block_n)
     wanted = triton.cdiv(PROGRAMS_PER_SM[tile.use_dot] * num_sms, programs_n)
-    affordable = max(1, (k * bits) // (512 * num_rows))  # partial bytes <= 1/8 of the weight bytes
+    affordable = max(1, (k * bits) // (64 * num_rows))  # split * M * N * 4 bytes <= N * K * bits / 16
     split = max(1, min(wanted, affordable, triton.cdiv(row_bytes, tile.block_bytes)))
     return replace(tile, split_k=triton.cdiv(row_bytes, _bytes_per_split(row_bytes, split, tile.block_bytes)))
 
@@ -328,7 +377,7 @@ def launch_small_m(x, qweight, scales, zeros, perm, bits: int, group_size: int, 
     tensors, constants = _format_args(qweight, scales, zeros, bits, group_size)
     wrap_triton(quant_linear_small_m_kernel)[(triton.cdiv(n, config.block_n), num_splits)](
         x, *tensors, perm if perm is not None else qweight, target,  # qweight stands in for an absent perm
-        num_rows, n, k, scales.shape[1], bytes_per_split, x.stride(0), qweight.stride(0),
+        num_rows, n, k, row_bytes, scales.shape[1], bytes_per_split, x.stride(0), qweight.stride(0),
         HAS_PERM=perm is not None, UNIFORM_GROUPS=_uniform_groups(bits, k, group_size, config.block_bytes),
         USE_DOT=config.use_dot,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_B=config.block_bytes,
