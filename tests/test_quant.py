@@ -20,10 +20,12 @@ from pt2serve.model.checkpoint import load_checkpoint, load_model
 from pt2serve.model.eager import EagerSequence, greedy_generate
 from pt2serve.model.presets import build_preset_model, toy_greedy_continuation
 from pt2serve.model.quant import (
+    LinearFormat,
     QuantizedEmbedding,
     QuantizedLinear,
     QuantScheme,
     describe_quantization,
+    formats_from_weights,
     quantize_model,
     quantize_weight,
 )
@@ -39,9 +41,21 @@ def test_pack_unpack_round_trip(bits):
     assert torch.equal(unpack(packed, bits), q)
 
 
-def test_int4_nibble_order():
-    """Column 2j in the low nibble of byte j, column 2j+1 in the high one (the kernels rely on it)."""
-    assert pack(torch.tensor([[1, 2, 15, 0]]), 4).tolist() == [[0x21, 0x0F]]
+def test_int4_split_halves():
+    """Byte j of a 256-column block holds column j low and column j + 128 high; a short last block of L
+    columns holds j and j + L / 2 (the kernels rely on it)."""
+    assert pack(torch.tensor([[1, 2, 15, 0]]), 4).tolist() == [[0xF1, 0x02]]
+    q = torch.randint(0, 16, (3, 256 + 12), dtype=torch.uint8)
+    packed = pack(q, 4)
+    assert packed.shape == (3, 134)
+    assert torch.equal(packed[:, :128] & 15, q[:, :128]) and torch.equal(packed[:, :128] >> 4, q[:, 128:256])
+    assert torch.equal(packed[:, 128:] & 15, q[:, 256:262]) and torch.equal(packed[:, 128:] >> 4, q[:, 262:])
+
+
+@pytest.mark.parametrize("num_columns", [2, 96, 256, 384, 4096, 4098])
+def test_int4_round_trip_over_whole_and_short_blocks(num_columns):
+    q = torch.randint(0, 16, (5, num_columns), dtype=torch.uint8)
+    assert torch.equal(unpack(pack(q, 4), 4), q)
 
 
 def test_dequantize_uses_each_columns_group_and_the_midpoint_when_symmetric():
@@ -111,6 +125,17 @@ def test_toy_greedy_keeps_its_designed_tokens(scheme):
     assert describe_quantization(model, "rtn")["group_size"] == scheme.group_size
     for prompt in ([256, 5, 9], [1, 2, 3, 200]):
         assert greedy_generate(model, prompt, 12) == toy_greedy_continuation(prompt, 12)
+
+
+def test_artifact_records_name_their_packing():
+    """Layers are rebuilt from an artifact's record only when its bytes mean what this version's do."""
+    names = ["layers.0.mlp.down_proj.qweight", "layers.0.mlp.down_proj.scales", "layers.0.mlp.down_proj.zeros"]
+    record = {"bits": 4, "group_size": 32}
+    formats = formats_from_weights(names, {**record, "packing": "split-halves-256"})
+    assert formats == {"layers.0.mlp.down_proj": LinearFormat(4, 32, has_zeros=True)}
+    with pytest.raises(Pt2ServeError, match="an earlier int4 layout.*re-export"):
+        formats_from_weights(names, record)
+    assert formats_from_weights(names[:2], {"bits": 8, "group_size": None})  # int8 bytes never changed
 
 
 def test_tied_embedding_quantized_once_serves_as_the_head():

@@ -91,7 +91,7 @@ def test_compiled_methods_match_the_eager_quantized_model(int8_artifact, int4_ar
 def test_metadata_and_inspect_show_the_quantization(int8_artifact, int4_artifact):
     int4 = read_metadata(int4_artifact).raw
     assert int4["quantization"] == {
-        "method": "rtn", "bits": 4, "group_size": 32, "symmetric": False, "act_order": False,
+        "method": "rtn", "bits": 4, "packing": "split-halves-256", "group_size": 32, "symmetric": False, "act_order": False,
         "num_layers_quantized": 10, "lm_head": True, "embedding": True,
     }
     int8 = read_metadata(int8_artifact).raw

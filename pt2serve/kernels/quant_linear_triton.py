@@ -1,17 +1,34 @@
 """Triton kernels of the weight-only quantized linear (format and reference: quant_linear.py).
 
 Registered as torch.ops.pt2serve.quant_linear with torch.library.triton_op, so torch.export keeps the op and
-AOTInductor compiles its kernels into the artifact; it runs inside CUDA graphs like any other kernel.
+AOTInductor compiles its kernels (and the torch ops around them) into the artifact; it runs inside CUDA
+graphs like any other kernel.
 
-- Small M (decode-sized steps, M <= SMALL_M_MAX): each program owns BLOCK_N outputs of one K split, so the
-  packed weights are read once and dequantized in registers; every row of x rides along in one tl.dot. K is
-  split when N alone gives too few programs to keep the memory system busy; the splits write fp32 partial
-  sums that one reduction adds (deterministic, unlike atomics).
-- Wide M: a tiled matmul whose weight tiles are dequantized in registers before tl.dot.
+Which path serves a call is fixed when the method is traced:
+- Small M (a static width <= SMALL_M_MAX: decode-sized steps). The packed weights are read once and
+  dequantized in registers; the time is the packed bytes over the memory bandwidth, so every program
+  streams whole runs of each row (64-256 bytes) and K is split until the GPU holds enough programs to keep
+  that many bytes in flight. The splits write fp32 partial sums that one reduction adds (deterministic,
+  unlike atomics). Two kernels, picked by the launch config:
+  - gemv: no tensor cores; each weight is multiplied into per-column partial products of each row of x,
+    summed across the tile once after the loop (the fewest instructions per weight byte, and no
+    cross-thread reduction inside the loop; for M up to GEMV_M_MAX);
+  - dot: every row of x rides along in one tl.dot (BLOCK_M padded to 16).
+- Wide M (a static width > SMALL_M_MAX, and the dynamic method forward_others, whose width is data):
+  one kernel dequantizes the whole weight into x's dtype (reading each packed byte once, writing the bf16
+  matrix once), then cuBLAS multiplies. For M in the hundreds the matmul costs more than the dequantization,
+  so this runs near the bf16 rate; forward_others serves narrow steps too when CUDA graphs are off, and
+  then pays the dequantization on every call.
 
-A static method's width is known when it is traced, so it gets the one kernel that suits it. In the dynamic
-method (forward_others) the width is data: both kernels are launched and each returns at once unless the
-width is in its range.
+A run (one nibble, or the byte, of BLOCK_B consecutive bytes: consecutive columns, see quant_linear.py)
+lies inside one group whenever the group size is a multiple of BLOCK_B (UNIFORM_GROUPS); then the kernels
+load one scale and zero per row and run instead of per weight, and the dot kernel multiplies x by the
+exact q - zero (an integer of at most 9 bits: exact in bf16 and fp16) and scales the run's product once
+per row. Otherwise each weight is scaled with its own column's group.
+
+Integers become floats by the exponent trick (OR into the mantissa of 2**23, then subtract 2**23, folded
+with the zero): two full-rate instructions instead of an int-to-float conversion, which runs at a
+fraction of the rate and would cap int4 below the bandwidth.
 
 Kernels take sizes as plain ints (constexpr sizes would be specialized silently); the format's constants
 (bits, group size, whether zeros and perm exist) are constexpr: they never change for a weight.
@@ -19,7 +36,7 @@ Kernels take sizes as plain ints (constexpr sizes would be specialized silently)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -27,166 +44,299 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.library import triton_op, wrap_triton
 
+from pt2serve.kernels.quant_linear import INT4_BLOCK_COLUMNS
+
 SMALL_M_MAX = 64
+GEMV_M_MAX = 8  # the gemv kernel's broadcast product grows with M: above this, tensor cores win
 # Streaming multiprocessors assumed off the GPU (kernels run under TRITON_INTERPRET in tests): an H200's.
 DEFAULT_NUM_SMS = 132
+INT4_HALF_BLOCK_BYTES = INT4_BLOCK_COLUMNS // 2
+# Globals a kernel reads must be constexpr.
+HALF_BLOCK_BYTES = tl.constexpr(INT4_HALF_BLOCK_BYTES)
+MAGIC = tl.constexpr(8388608.0)  # 2**23: a float32 whose mantissa holds any integer below 2**23 exactly
+
+
+# ------------------------------------------------------------------------------------------------ shared pieces
 
 
 @triton.jit
-def _accumulate_tile(
-    acc, x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr,
-    offs_m, m_mask, offs_n, n_mask, k0, K, num_groups, stride_xm, stride_qn,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _int4_run_starts(b0, K):
+    """First columns of the low- and high-nibble runs of the bytes b0.. (a run never crosses a block)."""
+    block = b0 // HALF_BLOCK_BYTES
+    block_column = block * 2 * HALF_BLOCK_BYTES
+    half = tl.minimum(2 * HALF_BLOCK_BYTES, K - block_column) // 2  # a short last block is split in its middle
+    low = block_column + (b0 - block * HALF_BLOCK_BYTES)
+    return low, low + half
+
+
+@triton.jit
+def _run_weights(
+    q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, UNIFORM_GROUPS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
-    """acc [BLOCK_M, BLOCK_N] += x[offs_m, k0 : k0 + BLOCK_K] @ W[offs_n, k0 : k0 + BLOCK_K].T"""
-    PER_BYTE: tl.constexpr = 8 // BITS
-    BLOCK_B: tl.constexpr = BLOCK_K // PER_BYTE  # packed bytes of one row in this tile
+    """q [BLOCK_N, BLOCK_B] int32 values of columns start.. -> (w fp32, scale [BLOCK_N]): W = w * scale[:, None].
+
+    With UNIFORM_GROUPS the run lies in one group: w = q - zero exactly, the scale is the run's. Otherwise
+    w is already scaled per column and the returned scale is 1.
+    """
     MIDPOINT: tl.constexpr = 1 << (BITS - 1)  # the zero of a symmetric format
-    offs_b = k0 // PER_BYTE + tl.arange(0, BLOCK_B)
-    b_mask = offs_b < K // PER_BYTE
-    w_mask = b_mask[:, None] & n_mask[None, :]
-    # [BLOCK_B, BLOCK_N]: W's tile already transposed for tl.dot; each row's bytes are contiguous.
-    packed = tl.load(qweight_ptr + offs_n[None, :] * stride_qn + offs_b[:, None], mask=w_mask, other=0)
-    if GROUP_SIZE % BLOCK_K == 0:
-        # The tile lies in one group (k0 is a multiple of BLOCK_K): one scale per output.
-        group_offs = offs_n[None, :] * num_groups + k0 // GROUP_SIZE
-        group_mask = n_mask[None, :]
+    as_float = (q | 0x4B000000).to(tl.float32, bitcast=True)  # MAGIC + q, exactly
+    if UNIFORM_GROUPS:
+        group = offs_n * num_groups + start // GROUP_SIZE
+        scale = tl.load(scales_ptr + group, mask=n_mask, other=0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(zeros_ptr + group, mask=n_mask, other=0).to(tl.float32)
+        else:
+            zero = tl.zeros_like(scale) + MIDPOINT
+        w = as_float - (zero + MAGIC)[:, None]
     else:
-        # A byte's columns share a group (the group size is even for 4 bits): one scale per byte.
-        group_offs = offs_n[None, :] * num_groups + (offs_b[:, None] * PER_BYTE) // GROUP_SIZE
-        group_mask = w_mask
-    scale = tl.load(scales_ptr + group_offs, mask=group_mask, other=0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(zeros_ptr + group_offs, mask=group_mask, other=0).to(tl.float32)
+        columns = start + tl.arange(0, BLOCK_B)
+        group = offs_n[:, None] * num_groups + columns[None, :] // GROUP_SIZE
+        mask = n_mask[:, None] & b_mask[None, :]
+        column_scale = tl.load(scales_ptr + group, mask=mask, other=0).to(tl.float32)
+        if HAS_ZEROS:
+            w = as_float - (tl.load(zeros_ptr + group, mask=mask, other=0).to(tl.float32) + MAGIC)
+        else:
+            w = as_float - (MAGIC + MIDPOINT)
+        w = w * column_scale
+        scale = tl.zeros_like(offs_n).to(tl.float32) + 1.0
+    return w, scale
+
+
+@triton.jit
+def _load_x_run(x_ptr, perm_ptr, start, offs_m, m_mask, b_mask, stride_xm,
+                HAS_PERM: tl.constexpr, BLOCK_B: tl.constexpr):
+    """x[offs_m, input features of columns start .. start + BLOCK_B] ([BLOCK_M, BLOCK_B]; 0 past the row)."""
+    columns = start + tl.arange(0, BLOCK_B)
+    if HAS_PERM:
+        columns = tl.load(perm_ptr + columns, mask=b_mask, other=0)
+    return tl.load(x_ptr + offs_m[:, None] * stride_xm + columns[None, :],
+                   mask=m_mask[:, None] & b_mask[None, :], other=0)
+
+
+@triton.jit
+def _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn):
+    """[BLOCK_N, BLOCK_B] bytes as int32: each row's run is contiguous."""
+    packed = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + offs_b[None, :],
+                     mask=n_mask[:, None] & b_mask[None, :], other=0)
+    return packed.to(tl.int32)
+
+
+# ------------------------------------------------------------------------------------------------ small M
+
+
+@triton.jit
+def _accumulate_run(
+    acc, q, start, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_m, m_mask, offs_n, n_mask, b_mask,
+    num_groups, stride_xm,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Adds x[:, run's inputs] @ W[offs_n, run].T for one run of BLOCK_B columns to acc.
+
+    dot: acc [BLOCK_M, BLOCK_N]. gemv: acc [BLOCK_M, BLOCK_N, BLOCK_B] holds per-column products, summed
+    once after the loop, so the loop has no cross-thread reduction: one multiply-add per weight and row.
+    """
+    w, scale = _run_weights(q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
+                            BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
+    x = _load_x_run(x_ptr, perm_ptr, start, offs_m, m_mask, b_mask, stride_xm, HAS_PERM, BLOCK_B)
+    if USE_DOT:
+        acc = acc + tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION) * scale[None, :]
     else:
-        zero = MIDPOINT
-    x_dtype = x_ptr.dtype.element_ty
-    x_mask = m_mask[:, None] & b_mask[None, :]
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
+        if UNIFORM_GROUPS:
+            w = w * scale[:, None]
+        acc = acc + w[None, :, :] * x.to(tl.float32)[:, None, :]
+    return acc
+
+
+@triton.jit
+def _accumulate_step(
+    acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_m, m_mask, offs_n, n_mask,
+    num_groups, stride_xm,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Adds the products of one step's packed bytes (b0 .. b0 + BLOCK_B of each row) to acc."""
     if BITS == 4:
-        w_low = (((packed & 15).to(tl.float32) - zero) * scale).to(x_dtype)
-        w_high = (((packed >> 4).to(tl.float32) - zero) * scale).to(x_dtype)
-        # The low nibble holds column 2b, the high one 2b + 1; perm says which input feature each column is.
-        columns = offs_b * 2
-        if HAS_PERM:
-            in_low = tl.load(perm_ptr + columns, mask=b_mask, other=0)
-            in_high = tl.load(perm_ptr + columns + 1, mask=b_mask, other=0)
-        else:
-            in_low = columns
-            in_high = columns + 1
-        x_low = tl.load(x_rows + in_low[None, :], mask=x_mask, other=0)
-        x_high = tl.load(x_rows + in_high[None, :], mask=x_mask, other=0)
-        acc = tl.dot(x_low, w_low, acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(x_high, w_high, acc, input_precision=DOT_PRECISION)
+        low, high = _int4_run_starts(b0, K)
+        acc = _accumulate_run(acc, packed & 15, low, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
+                              offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
+                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+        acc = _accumulate_run(acc, packed >> 4, high, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
+                              offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
+                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
     else:
-        w = ((packed.to(tl.float32) - zero) * scale).to(x_dtype)
-        if HAS_PERM:
-            inputs = tl.load(perm_ptr + offs_b, mask=b_mask, other=0)
-        else:
-            inputs = offs_b
-        x = tl.load(x_rows + inputs[None, :], mask=x_mask, other=0)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        acc = _accumulate_run(acc, packed, b0, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
+                              offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
+                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
     return acc
 
 
 @triton.jit
 def quant_linear_small_m_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr,
-    M, N, K, num_groups, k_per_split, m_limit, stride_xm, stride_qn,
+    M, N, K, row_bytes, num_groups, bytes_per_split, stride_xm, stride_qn,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (n, s): outputs n*BLOCK_N.. of all M rows over K split s, into out[s] ([splits, M, N])."""
-    if M > m_limit:  # a dynamic width too wide for this kernel: the wide one computes it
-        return
+    """Program (n, s): outputs n*BLOCK_N.. of all M rows over the packed bytes of split s, into out[s]
+    ([splits, M, N]); each step takes BLOCK_B bytes of BLOCK_N rows (row_bytes = K * BITS / 8, passed in
+    so that Triton sees its divisibility and vectorizes the masked loads)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        acc = _accumulate_tile(
-            acc, x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr,
-            offs_m, m_mask, offs_n, n_mask, k0, K, num_groups, stride_xm, stride_qn,
-            BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM, BLOCK_K, DOT_PRECISION,
-        )
+    b_start = pid_k * bytes_per_split
+    b_end = tl.minimum(b_start + bytes_per_split, row_bytes)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for b0 in range(b_start, b_end, BLOCK_B):  # Triton pipelines these loads (num_stages): they feed tl.dot
+            offs_b = b0 + tl.arange(0, BLOCK_B)
+            b_mask = offs_b < b_end
+            packed = _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn)
+            acc = _accumulate_step(acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
+                                   offs_m, m_mask, offs_n, n_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
+                                   HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+    else:
+        # Loads that feed no tl.dot are not pipelined: each step loads the next step's bytes before it
+        # works on its own, so two steps are in flight per program (a few registers: the packed bytes).
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B), dtype=tl.float32)
+        offs_b = b_start + tl.arange(0, BLOCK_B)
+        b_mask = offs_b < b_end
+        packed = _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn)
+        for b0 in range(b_start, b_end, BLOCK_B):
+            next_offs_b = offs_b + BLOCK_B
+            next_b_mask = next_offs_b < b_end
+            next_packed = _load_packed(qweight_ptr, offs_n, n_mask, next_offs_b, next_b_mask, stride_qn)
+            acc = _accumulate_step(acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
+                                   offs_m, m_mask, offs_n, n_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
+                                   HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+            offs_b, b_mask, packed = next_offs_b, next_b_mask, next_packed
+        acc = tl.sum(acc, axis=2)
     out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+# ------------------------------------------------------------------------------------------------ wide M
+
+
 @triton.jit
-def quant_linear_wide_m_kernel(
-    x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr,
-    M, N, K, num_groups, m_floor, stride_xm, stride_qn,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+def _store_run(out_ptr, q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups, K,
+               BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
+               UNIFORM_GROUPS: tl.constexpr, BLOCK_B: tl.constexpr):
+    w, scale = _run_weights(q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
+                            BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
+    columns = start + tl.arange(0, BLOCK_B)
+    out = out_ptr + offs_n[:, None] * K + columns[None, :]
+    tl.store(out, (w * scale[:, None]).to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & b_mask[None, :])
+
+
+@triton.jit
+def dequantize_kernel(
+    qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, num_groups, stride_qn,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, UNIFORM_GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of out per program."""
-    if M <= m_floor:  # a dynamic width narrow enough for the small-M kernel, which computes it
-        return
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: TILE_GROUP_M row tiles in a row take the same weight tile while it is in L2.
-    num_pid_in_group = TILE_GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * TILE_GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_pid_m, TILE_GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_rows
-    pid_n = (pid % num_pid_in_group) // group_rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Program (n, b): writes W[n*BLOCK_N.., columns of packed bytes b*BLOCK_B..] into out [N, K]."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        acc = _accumulate_tile(
-            acc, x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr,
-            offs_m, m_mask, offs_n, n_mask, k0, K, num_groups, stride_xm, stride_qn,
-            BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM, BLOCK_K, DOT_PRECISION,
-        )
-    out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    b0 = tl.program_id(1) * BLOCK_B
+    offs_b = b0 + tl.arange(0, BLOCK_B)
+    b_mask = offs_b < K * BITS // 8
+    packed = _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn)
+    if BITS == 4:
+        low, high = _int4_run_starts(b0, K)
+        _store_run(out_ptr, packed & 15, low, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups, K,
+                   BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
+        _store_run(out_ptr, packed >> 4, high, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups, K,
+                   BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
+    else:
+        _store_run(out_ptr, packed, b0, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups, K,
+                   BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
+
+
+# ------------------------------------------------------------------------------------------------ launching
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes and launch shape of one kernel call (chosen from the shapes; not yet tuned on a GPU)."""
+    """Tile sizes and launch shape of one small-M kernel call."""
 
+    use_dot: bool  # tl.dot on tensor cores, or the gemv kernel's multiply and sum
     block_m: int
     block_n: int
-    block_k: int
+    block_bytes: int  # packed bytes of each weight row per step (int4: divides the format's 128-byte block)
     num_warps: int
     num_stages: int
-    split_k: int = 1  # small-M kernel only
+    split_k: int = 1
+
+    @property
+    def name(self) -> str:
+        kind = "dot" if self.use_dot else "gemv"
+        return (f"{kind} m{self.block_m} n{self.block_n} b{self.block_bytes} w{self.num_warps} "
+                f"s{self.num_stages} k{self.split_k}")
+
+
+# Programs per SM the split aims for: a program keeps BLOCK_N x BLOCK_B bytes in flight per step, and the
+# memory system needs tens of KB in flight per SM to reach its bandwidth.
+PROGRAMS_PER_SM = {False: 8, True: 4}
+
+# Tiles that compile for sm_90 without spilling registers (checked with Triton's ptxas at 4 and 8 bits):
+# gemv holds BLOCK_M x BLOCK_N x BLOCK_B fp32 products per program, so its N shrinks as M grows; the dot
+# kernel holds two dequantized [BLOCK_N, BLOCK_B] runs (int4) next to its accumulator.
+GEMV_PRODUCTS_MAX = 32 * 128  # BLOCK_M x BLOCK_N x BLOCK_B per 128 threads
+DOT_TILES = (  # block_n, block_bytes, num_warps; the first is the default
+    (64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 128, 8), (128, 64, 8),
+)
+
+
+def small_m_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> list[LaunchConfig]:
+    """The launch configs worth timing for M = num_rows <= SMALL_M_MAX; the first is the default.
+
+    scripts/device/quant_kernels.py --configs times every one of them on the GPU; reorder to change the
+    default.
+    """
+    tiles = []
+    if num_rows <= GEMV_M_MAX:
+        block_m = triton.next_power_of_2(num_rows)
+        for block_bytes in (128, 256) if bits == 8 else (128,):
+            for block_n in (16, 8, 32, 64) if block_m == 1 else (8, 16, 32):
+                for num_warps in (4, 8):
+                    if block_m * block_n * block_bytes > GEMV_PRODUCTS_MAX * num_warps // 4:
+                        continue
+                    tiles.append(LaunchConfig(False, block_m, block_n, block_bytes, num_warps, num_stages=1))
+    block_m = max(16, triton.next_power_of_2(num_rows))
+    for block_n, block_bytes, num_warps in DOT_TILES:
+        for num_stages in (4, 3):
+            tiles.append(LaunchConfig(True, block_m, block_n, block_bytes, num_warps, num_stages))
+    return [with_split(tile, num_rows, n, k, bits, num_sms) for tile in tiles]
 
 
 def small_m_config(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> LaunchConfig:
-    """For M <= SMALL_M_MAX rows: every row in one tl.dot; split K until the GPU has two programs per SM.
+    return small_m_candidates(num_rows, n, k, bits, num_sms)[0]
+
+
+def with_split(tile: LaunchConfig, num_rows: int, n: int, k: int, bits: int, num_sms: int) -> LaunchConfig:
+    """Split K until the GPU holds PROGRAMS_PER_SM programs per SM.
 
     A split's partial sums (M x N fp32, written and read once) must stay small next to the packed
-    weights it saves reading in parallel, so wider M splits less.
+    weights it saves reading in parallel (at most half their bytes), so wider M splits less.
     """
-    block_m = max(16, triton.next_power_of_2(num_rows))
-    block_n = 32
-    block_k = 256 if bits == 4 else 128  # 128 bytes of each weight row per tile: one cache line
-    programs_n = triton.cdiv(n, block_n)
-    wanted = triton.cdiv(2 * num_sms, programs_n)
-    affordable = max(1, (k * bits) // (512 * num_rows))  # partial bytes <= 1/8 of the weight bytes
-    split = max(1, min(wanted, affordable, triton.cdiv(k, block_k)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    return LaunchConfig(block_m, block_n, block_k, num_warps=4, num_stages=3, split_k=triton.cdiv(k, k_per_split))
+    row_bytes = k * bits // 8
+    programs_n = triton.cdiv(n, tile.block_n)
+    wanted = triton.cdiv(PROGRAMS_PER_SM[tile.use_dot] * num_sms, programs_n)
+    affordable = max(1, (k * bits) // (64 * num_rows))  # split * M * N * 4 bytes <= N * K * bits / 16
+    split = max(1, min(wanted, affordable, triton.cdiv(row_bytes, tile.block_bytes)))
+    return replace(tile, split_k=triton.cdiv(row_bytes, _bytes_per_split(row_bytes, split, tile.block_bytes)))
 
 
-def wide_m_config(bits: int) -> LaunchConfig:
-    """For M > SMALL_M_MAX: a standard bf16 tensor-core tile (one config: AOTInductor tunes on the traced
-    example width, not on the widths the dynamic method later runs)."""
-    return LaunchConfig(block_m=128, block_n=128, block_k=64 if bits == 4 else 32, num_warps=8, num_stages=3)
+def _bytes_per_split(row_bytes: int, split: int, block_bytes: int) -> int:
+    # Whole steps per split: a step never crosses a split, nor (int4) a 128-byte block.
+    return triton.cdiv(triton.cdiv(row_bytes, split), block_bytes) * block_bytes
 
 
 def _num_sms(device: torch.device) -> int:
@@ -195,57 +345,75 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _format_args(x, qweight, scales, zeros, perm, bits, group_size) -> tuple[list, dict]:
-    """Tensor arguments (a present tensor stands in for an absent zeros / perm: never read) and constexprs."""
-    tensors = [x, qweight, scales, zeros if zeros is not None else scales, perm if perm is not None else qweight]
-    constants = {
-        "BITS": bits, "GROUP_SIZE": group_size, "HAS_ZEROS": zeros is not None, "HAS_PERM": perm is not None,
-        # fp32 activations (fp32 exports) stay fp32 in tl.dot instead of rounding through tf32.
-        "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
-    }
+def _uniform_groups(bits: int, k: int, group_size: int, block_bytes: int) -> bool:
+    """Whether every nibble (int4) or byte (int8) run of block_bytes columns lies inside one group."""
+    if group_size >= k:
+        return True
+    # Runs start at multiples of block_bytes columns; an int4 short last block starts its high run at L / 2.
+    tail_half = (k % INT4_BLOCK_COLUMNS) // 2 if bits == 4 else 0
+    return group_size % block_bytes == 0 and tail_half % block_bytes == 0
+
+
+def _format_args(qweight, scales, zeros, bits, group_size) -> tuple[list, dict]:
+    """The weight's tensor arguments (scales stand in for absent zeros: never read) and constexprs."""
+    tensors = [qweight, scales, zeros if zeros is not None else scales]
+    constants = {"BITS": bits, "GROUP_SIZE": group_size, "HAS_ZEROS": zeros is not None}
     return tensors, constants
 
 
-def launch_small_m(
-    x, qweight, scales, zeros, perm, bits: int, group_size: int, config: LaunchConfig, m_limit: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The small-M kernel; returns out [M, N] (allocated unless given, which needs split_k == 1)."""
+def launch_small_m(x, qweight, scales, zeros, perm, bits: int, group_size: int, config: LaunchConfig) -> torch.Tensor:
+    """The small-M kernel: x [M, K] @ W.T -> [M, N] in x's dtype."""
     num_rows, k = x.shape
     n = qweight.shape[0]
-    tensors, constants = _format_args(x, qweight, scales, zeros, perm, bits, group_size)
-    if config.split_k == 1:
-        target = out if out is not None else x.new_empty((num_rows, n))
+    if bits == 4 and INT4_HALF_BLOCK_BYTES % config.block_bytes:
+        raise ValueError(f"int4 steps must divide the format's {INT4_HALF_BLOCK_BYTES}-byte block: {config.name}")
+    row_bytes = k * bits // 8
+    bytes_per_split = _bytes_per_split(row_bytes, config.split_k, config.block_bytes)
+    num_splits = triton.cdiv(row_bytes, bytes_per_split)
+    if num_splits == 1:
+        target = x.new_empty((num_rows, n))
     else:
-        target = x.new_empty((config.split_k, num_rows, n), dtype=torch.float32)
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    grid = (triton.cdiv(n, config.block_n), config.split_k)
-    wrap_triton(quant_linear_small_m_kernel)[grid](
-        *tensors, target,
-        num_rows, n, k, scales.shape[1], k_per_split, m_limit, x.stride(0), qweight.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        target = x.new_empty((num_splits, num_rows, n), dtype=torch.float32)
+    tensors, constants = _format_args(qweight, scales, zeros, bits, group_size)
+    wrap_triton(quant_linear_small_m_kernel)[(triton.cdiv(n, config.block_n), num_splits)](
+        x, *tensors, perm if perm is not None else qweight, target,  # qweight stands in for an absent perm
+        num_rows, n, k, row_bytes, scales.shape[1], bytes_per_split, x.stride(0), qweight.stride(0),
+        HAS_PERM=perm is not None, UNIFORM_GROUPS=_uniform_groups(bits, k, group_size, config.block_bytes),
+        USE_DOT=config.use_dot,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_B=config.block_bytes,
+        # fp32 activations (fp32 exports) stay fp32 in tl.dot instead of rounding through tf32.
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **constants,
     )
-    if config.split_k == 1:
+    if num_splits == 1:
         return target
     return target.sum(0).to(x.dtype)
 
 
-def launch_wide_m(
-    x, qweight, scales, zeros, perm, bits: int, group_size: int, config: LaunchConfig, m_floor: int,
-    out: torch.Tensor,
-) -> None:
-    """The wide-M kernel, writing out [M, N]."""
-    num_rows, k = x.shape
+DEQUANTIZE_BLOCK_N = 32
+DEQUANTIZE_BLOCK_BYTES = 64
+
+
+def dequantize_weight(qweight, scales, zeros, bits: int, group_size: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in dtype, columns in stored order: one pass over the packed bytes."""
     n = qweight.shape[0]
-    tensors, constants = _format_args(x, qweight, scales, zeros, perm, bits, group_size)
-    grid = (triton.cdiv(num_rows, config.block_m) * triton.cdiv(n, config.block_n),)
-    wrap_triton(quant_linear_wide_m_kernel)[grid](
-        *tensors, out,
-        num_rows, n, k, scales.shape[1], m_floor, x.stride(0), qweight.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE_GROUP_M=8,
-        num_warps=config.num_warps, num_stages=config.num_stages, **constants,
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    tensors, constants = _format_args(qweight, scales, zeros, bits, group_size)
+    grid = (triton.cdiv(n, DEQUANTIZE_BLOCK_N), triton.cdiv(qweight.shape[1], DEQUANTIZE_BLOCK_BYTES))
+    wrap_triton(dequantize_kernel)[grid](
+        *tensors, out, n, k, scales.shape[1], qweight.stride(0),
+        UNIFORM_GROUPS=_uniform_groups(bits, k, group_size, DEQUANTIZE_BLOCK_BYTES),
+        BLOCK_N=DEQUANTIZE_BLOCK_N, BLOCK_B=DEQUANTIZE_BLOCK_BYTES, num_warps=4, **constants,
     )
+    return out
+
+
+def dequantize_and_multiply(x, qweight, scales, zeros, perm, bits: int, group_size: int) -> torch.Tensor:
+    """The wide-M path: x [M, K] @ dequantize(W).T through cuBLAS."""
+    weight = dequantize_weight(qweight, scales, zeros, bits, group_size, x.shape[1], x.dtype)
+    if perm is not None:
+        x = x.index_select(1, perm)
+    return torch.mm(x, weight.t())
 
 
 @triton_op("pt2serve::quant_linear", mutates_args=())
@@ -261,18 +429,7 @@ def quant_linear_op(
     """x [M, K] @ W.T -> [M, N] in x's dtype."""
     x = x.contiguous()
     num_rows, k = x.shape
-    n = qweight.shape[0]
-    if is_concrete_int(num_rows):
-        if num_rows <= SMALL_M_MAX:
-            config = small_m_config(num_rows, n, k, bits, _num_sms(x.device))
-            return launch_small_m(x, qweight, scales, zeros, perm, bits, group_size, config, m_limit=num_rows)
-        out = x.new_empty((num_rows, n))
-        launch_wide_m(x, qweight, scales, zeros, perm, bits, group_size, wide_m_config(bits), 0, out)
-        return out
-    # A dynamic width: both kernels write the same output; exactly one of them finds work.
-    out = x.new_empty((num_rows, n))
-    small = small_m_config(SMALL_M_MAX, n, k, bits, _num_sms(x.device))
-    unsplit = LaunchConfig(small.block_m, small.block_n, small.block_k, small.num_warps, small.num_stages)
-    launch_small_m(x, qweight, scales, zeros, perm, bits, group_size, unsplit, m_limit=SMALL_M_MAX, out=out)
-    launch_wide_m(x, qweight, scales, zeros, perm, bits, group_size, wide_m_config(bits), SMALL_M_MAX, out)
-    return out
+    if is_concrete_int(num_rows) and num_rows <= SMALL_M_MAX:
+        config = small_m_config(num_rows, qweight.shape[0], k, bits, _num_sms(x.device))
+        return launch_small_m(x, qweight, scales, zeros, perm, bits, group_size, config)
+    return dequantize_and_multiply(x, qweight, scales, zeros, perm, bits, group_size)

@@ -23,11 +23,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from pt2serve.errors import Pt2ServeError
-from pt2serve.kernels.quant_linear import SUPPORTED_BITS, dequantize, pack, quant_linear, values_per_byte
+from pt2serve.kernels.quant_linear import (
+    INT4_BLOCK_COLUMNS,
+    SUPPORTED_BITS,
+    dequantize,
+    pack,
+    quant_linear,
+    values_per_byte,
+)
 
 SCHEMES = {"int8": 8, "int4": 4}
 DEFAULT_GROUP_SIZE = {8: None, 4: 128}  # None: one group per output row
 QUANTIZED_SUFFIXES = ("qweight", "scales", "zeros", "perm")
+# How qweight's bytes hold the values (kernels/quant_linear.py), recorded in the artifact: the eager peer
+# rebuilds layers from an artifact's weights and must not read another layout as this one.
+PACKING = {8: "bytes", 4: f"split-halves-{INT4_BLOCK_COLUMNS}"}
 
 
 @dataclass(frozen=True)
@@ -251,9 +261,11 @@ def describe_quantization(model: nn.Module, method: str) -> dict[str, Any] | Non
         raise Pt2ServeError(f"layers quantized with different bits or group sizes ({sorted(bits)}, "
                             f"{sorted(group_sizes, key=str)}) are not supported")
     tied = model.lm_head is None
+    bit_width = bits.pop()
     return {
         "method": method,
-        "bits": bits.pop(),
+        "bits": bit_width,
+        "packing": PACKING[bit_width],
         "group_size": group_sizes.pop(),
         "symmetric": all(m.zeros is None for m in modules.values()),
         "act_order": any(m.perm is not None for m in modules.values()),
@@ -265,11 +277,17 @@ def describe_quantization(model: nn.Module, method: str) -> dict[str, Any] | Non
 
 def formats_from_weights(names: Iterable[str], record: dict[str, Any]) -> dict[str, LinearFormat]:
     """The quantized modules an artifact's weight names describe, with their formats (its quantization record)."""
+    bits = record["bits"]
+    # Records written before the packing was recorded: int8 bytes were the same, int4 nibbles were not.
+    packing = record.get("packing", PACKING[8] if bits == 8 else "an earlier int4 layout")
+    if packing != PACKING[bits]:
+        raise Pt2ServeError(f"the artifact's int{bits} weights are packed as {packing}, this pt2serve reads "
+                            f"{PACKING[bits]}; re-export it with this version")
     names = set(names)
     formats = {}
     for name in names:
         if name.endswith(".qweight"):
             module = name.removesuffix(".qweight")
-            formats[module] = LinearFormat(record["bits"], record["group_size"], f"{module}.zeros" in names,
+            formats[module] = LinearFormat(bits, record["group_size"], f"{module}.zeros" in names,
                                            f"{module}.perm" in names)
     return formats

@@ -1,84 +1,179 @@
-"""On a GPU: the quantized linear's kernels on the llama-3.1-8b shapes, next to bf16 torch.mm and the reference.
+"""The quantized linear's kernels on the llama-3.1-8b shapes, next to bf16 torch.mm and the read floor.
 
-Usage: python scripts/device/quant_kernels.py [M,M,...]
-For each layer shape, bits (int8 per row, int4 group 128) and width M: the op's error against the reference
-(dequantize then matmul), and the time of bf16 torch.mm, of the reference and of the op (CUDA-graph replays,
-median of 20), with the op's bandwidth against the floor of its bytes (packed weights + scales + zeros).
-This is the measurement to choose the kernels' tiles and the small-M / wide-M switch by.
+Usage (GPU):  python scripts/device/quant_kernels.py [--widths 1,16,32,64,128,1024] [--configs]
+       (CPU):  python scripts/device/quant_kernels.py --cpu-smoke   (tiny shapes in Triton's interpreter)
+
+For each layer shape, bits (int8 per row, int4 group 128 with zero points) and width M it prints the
+op's max error relative to the reference (dequantize then matmul), bf16 torch.mm's time, the op's time,
+the floor (the bytes the op must read, over the device's read bandwidth), op/floor and op/mm. With
+--configs it also times every small-M launch config (kernels/quant_linear_triton.py small_m_candidates,
+the first one is the default) for the widths <= 64, so the default can be set to the winner. The plain
+run takes well under a minute on an H200; --configs compiles and times about fifty configs per layer and
+bits (a few minutes: narrow it with --widths 1,16,64).
+
+How it measures: a step of a decoder reads each weight once, from DRAM. Timing one weight in a loop of
+CUDA-graph replays would serve it from L2 (50 MB on an H200 holds a whole int8 or int4 matrix), so each
+measurement captures calls over enough copies of the weights that one pass reads ROTATION_BYTES, and
+divides the replay time by the number of copies. The floor's bandwidth is a pure read (torch.sum over
+1 GiB), not a copy's read + write.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
 
-import torch
+if "--cpu-smoke" in sys.argv:  # read when Triton is imported: before anything imports it
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from pt2serve.kernels import quant_linear_triton  # noqa: F401  (registers the op)
-from pt2serve.kernels.quant_linear import pack, reference_quant_linear
+import torch  # noqa: E402
 
-SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
+from pt2serve.kernels import quant_linear_triton as kernels  # noqa: E402  (registers the op)
+from pt2serve.kernels.quant_linear import pack, reference_quant_linear  # noqa: E402
+
+GPU_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
+              "down_proj": (4096, 14336)}
+SMOKE_SHAPES = {"tiny": (72, 384)}  # N no multiple of a tile, K ending in a short int4 block
+ROTATION_BYTES = 256 * 2**20  # several times the L2, so every call reads its weight from DRAM
+REPLAYS = 10
 
 
-def graph_ms(fn, replays: int = 20) -> float:
-    """Median time of one call, captured in a CUDA graph (as the artifact's static methods run)."""
+@dataclass(frozen=True)
+class Weights:
+    """One copy of a layer's packed weights (and, for the baseline, its bf16 matrix)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    dense: torch.Tensor
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros) if t is not None)
+
+
+def make_weights(n: int, k: int, bits: int, group_size: int, device: str, dtype: torch.dtype, seed: int) -> Weights:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randint(0, 2**bits, (n, k), device=device, generator=gen)
+    num_groups = -(-k // group_size)
+    scales = (torch.rand(n, num_groups, device=device, generator=gen) * 0.01 + 1e-3).to(dtype)
+    zeros = None if bits == 8 else torch.randint(0, 16, (n, num_groups), device=device, generator=gen).to(torch.uint8)
+    dense = (torch.randn(n, k, device=device, generator=gen) * 0.02).to(dtype)
+    return Weights(pack(q, bits), scales, zeros, dense)
+
+
+def copies_for(nbytes: int, device: str) -> int:
+    return max(1, -(-ROTATION_BYTES // nbytes)) if device == "cuda" else 1
+
+
+def time_ms(calls: list[Callable[[], object]], device: str) -> float:
+    """Median time of one call, when the calls run back to back (one CUDA graph replays them all)."""
+    if device != "cuda":
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - start) * 1e3 / len(calls)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
+        for call in calls[:2]:  # compile and warm up outside the graph
+            call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for call in calls:
+            call()
+    graph.replay()
     times = []
-    for _ in range(replays):
+    for _ in range(REPLAYS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / len(calls))
+    del graph
     return statistics.median(times)
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a large device copy (read + write), the floor's denominator."""
-    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = graph_ms(lambda: b.copy_(a))
-    return 2 * a.numel() / (ms / 1e3)
+def read_bandwidth(device: str) -> float:
+    """Bytes/s of reading a 1 GiB buffer once (torch.sum: a read-only stream), best of two dtypes."""
+    nbytes = 2**30 if device == "cuda" else 2**24
+    best = 0.0
+    for dtype in (torch.bfloat16, torch.float32):
+        buffer = torch.ones(nbytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device)
+        ms = time_ms([lambda: buffer.sum()] * 4, device)
+        best = max(best, nbytes / (ms / 1e3))
+        del buffer
+    return best
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def measure(shapes: dict, widths: list[int], with_configs: bool, device: str) -> None:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    bandwidth = read_bandwidth(device)
+    print(f"read bandwidth {bandwidth / 1e9:.0f} GB/s (torch.sum over a large buffer)")
+    num_sms = kernels._num_sms(torch.device(device))
+    rows, config_rows = [], []
+    for name, (n, k) in shapes.items():
+        for bits, group_size in ((8, k), (4, 128)):
+            first = make_weights(n, k, bits, group_size, device, dtype, seed=0)
+            op_copies = [first] + [make_weights(n, k, bits, group_size, device, dtype, seed=i)
+                                   for i in range(1, copies_for(first.packed_bytes, device))]
+            # The packed weights are smaller than the bf16 ones: their copies hold enough bf16 copies.
+            dense_copies = [w.dense for w in op_copies[:copies_for(first.dense.numel() * 2, device)]]
+            for m in widths:
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                args = (first.qweight, first.scales, first.zeros, None, bits, group_size)
+                ref = reference_quant_linear(x, *args)
+                error = relative_error(torch.ops.pt2serve.quant_linear(x, *args), ref)
+                mm = time_ms([lambda w=w: torch.mm(x, w.T) for w in dense_copies], device)
+                op = time_ms([lambda w=w: torch.ops.pt2serve.quant_linear(x, w.qweight, w.scales, w.zeros, None, bits,
+                                                                            group_size) for w in op_copies], device)
+                floor_ms = (first.packed_bytes + x.element_size() * m * (n + k)) / bandwidth * 1e3
+                rows.append((name, f"int{bits}", m, error, mm, op, floor_ms))
+                if with_configs and m <= kernels.SMALL_M_MAX:
+                    for config in kernels.small_m_candidates(m, n, k, bits, num_sms):
+                        out = kernels.launch_small_m(x, *args[:4], bits, group_size, config)
+                        config_ms = time_ms([lambda w=w, c=config: kernels.launch_small_m(
+                            x, w.qweight, w.scales, w.zeros, None, bits, group_size, c) for w in op_copies], device)
+                        config_rows.append((name, f"int{bits}", m, config.name, relative_error(out, ref), config_ms,
+                                            floor_ms))
+            del op_copies, dense_copies
+    print(f"{'layer':>13} {'bits':>5} {'M':>5} {'rel err':>8} {'bf16 mm':>8} {'op ms':>8} {'floor ms':>8} "
+          f"{'op/floor':>8} {'op/mm':>6}")
+    for name, bits, m, error, mm, op, floor_ms in rows:
+        print(f"{name:>13} {bits:>5} {m:>5} {error:8.1e} {mm:8.4f} {op:8.4f} {floor_ms:8.4f} "
+              f"{op / floor_ms:8.2f} {op / mm:6.2f}")
+    if config_rows:
+        print("\nsmall-M launch configs (the first of each group is the default)")
+        print(f"{'layer':>13} {'bits':>5} {'M':>5} {'config':>34} {'rel err':>8} {'ms':>8} {'/floor':>7}")
+        for name, bits, m, config, error, ms, floor_ms in config_rows:
+            print(f"{name:>13} {bits:>5} {m:>5} {config:>34} {error:8.1e} {ms:8.4f} {ms / floor_ms:7.2f}")
 
 
 def main() -> None:
-    widths = [int(m) for m in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 16, 32, 64, 128, 1024]
-    bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    rows = []
-    for name, (n, k) in SHAPES.items():
-        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        for bits, group_size in ((8, k), (4, 128)):
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            q = torch.randint(0, 2**bits, (n, k), device="cuda", generator=gen)
-            qweight = pack(q, bits)
-            num_groups = -(-k // group_size)
-            scales = (torch.rand(n, num_groups, device="cuda", generator=gen) * 0.01).to(torch.bfloat16)
-            zeros = None if bits == 8 else torch.randint(0, 16, (n, num_groups), device="cuda", generator=gen).to(torch.uint8)
-            packed_bytes = qweight.numel() + scales.numel() * 2 + (0 if zeros is None else zeros.numel())
-            for m in widths:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                ref = reference_quant_linear(x, qweight, scales, zeros, None, bits, group_size)
-                out = torch.ops.pt2serve.quant_linear(x, qweight, scales, zeros, None, bits, group_size)
-                error = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                mm = graph_ms(lambda: torch.mm(x, weight.T))
-                reference = graph_ms(lambda: reference_quant_linear(x, qweight, scales, zeros, None, bits, group_size))
-                op = graph_ms(lambda: torch.ops.pt2serve.quant_linear(x, qweight, scales, zeros, None, bits, group_size))
-                floor_ms = (packed_bytes + 2 * m * (n + k)) / bandwidth * 1e3
-                rows.append((name, f"int{bits}", m, error, mm, reference, op, floor_ms))
-    print(f"{'layer':>13} {'bits':>5} {'M':>5} {'rel err':>8} {'bf16 mm':>8} {'ref ms':>8} {'op ms':>8} "
-          f"{'floor ms':>8} {'op/floor':>8} {'op/mm':>6}")
-    for name, bits, m, error, mm, reference, op, floor_ms in rows:
-        print(f"{name:>13} {bits:>5} {m:>5} {error:8.1e} {mm:8.4f} {reference:8.4f} {op:8.4f} {floor_ms:8.4f} "
-              f"{op / floor_ms:8.2f} {op / mm:6.2f}")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--widths", default=None, help="comma-separated M values")
+    parser.add_argument("--configs", action="store_true", help="also time every small-M launch config")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU in Triton's interpreter")
+    args = parser.parse_args()
+    if args.cpu_smoke:
+        device, shapes, default_widths = "cpu", SMOKE_SHAPES, "1,3,16,65"
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("no GPU: run with --cpu-smoke to check the script on the CPU")
+        device, shapes, default_widths = "cuda", GPU_SHAPES, "1,16,32,64,128,1024"
+    widths = [int(m) for m in (args.widths or default_widths).split(",")]
+    measure(shapes, widths, args.configs, device)
 
 
 if __name__ == "__main__":
