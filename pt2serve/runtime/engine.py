@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pt2serve.runtime.drafter import Drafter
 from pt2serve.runtime.artifact import load_artifact, read_metadata, read_tokenizer_json
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.runner import Runner, RunnerConfig
@@ -27,12 +28,13 @@ def open_runner(
     executor_config: ExecutorConfig = ExecutorConfig(),
     runner_config: RunnerConfig = RunnerConfig(),
     show_progress: bool = False,
+    drafter: Drafter | None = None,
 ) -> Runner:
     """Load `path` onto `device` (default: what it was built for) and start its engine thread."""
     artifact = load_artifact(path, device=device, show_progress=show_progress)
     executor = Executor(artifact, executor_config)
     tokenizer = artifact_tokenizer(artifact.tokenizer_json, artifact.metadata.raw.get("tokenizer"))
-    return Runner(executor, tokenizer, runner_config)
+    return Runner(executor, tokenizer, runner_config, drafter)
 
 
 def describe_load(runner: Runner) -> str:
