@@ -220,6 +220,7 @@ class Runner:
                 prefix_cache=config.prefix_cache,
                 max_sessions=config.max_sessions,
                 session_pin_seconds=config.session_pin_seconds,
+                vocab_size=meta.vocab_size,
             ),
             executor.allocator,
             drafter,

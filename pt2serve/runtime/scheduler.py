@@ -51,6 +51,7 @@ class SchedulerConfig:
     prefix_cache: bool = True  # reuse the longest cached prefix of every request's tokens
     max_sessions: int = 64  # sessions whose cached path is pinned against eviction
     session_pin_seconds: float = 600.0  # how long a session's path stays pinned after its last request
+    vocab_size: int | None = None  # drafts are cut at the first id outside it (a token the model cannot embed)
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_decode_sequences < 1:
@@ -183,7 +184,12 @@ class Scheduler:
                     self.config.max_context - request.length - 1)
         if limit < 1:
             return ()
-        return tuple(int(t) for t in self.drafter.propose(request.tokens, limit)[:limit])
+        drafts = []
+        for token in self.drafter.propose(request.tokens, limit)[:limit]:
+            if not 0 <= token < (self.config.vocab_size or token + 1):
+                break
+            drafts.append(int(token))
+        return tuple(drafts)
 
     def _schedule_prefills(self, scheduled: dict[int, ScheduledChunk], budget: int) -> None:
         prefilling = [r for r in self._running if r not in scheduled and not self.requests[r].is_decoding]
