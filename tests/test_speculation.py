@@ -3,6 +3,7 @@ drafts on toy-greedy accepted, rejected cells freed, limits cut in the middle of
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -303,3 +304,37 @@ def test_speculating_decodes_share_the_token_budget():
     plan = scheduler.plan()
     # 3 decodes and 7 budget tokens for drafts: 4, then 3, then none.
     assert [len(c.drafts) for c in plan.chunks] == [4, 3, 0] and plan.num_tokens == 10
+
+
+# -- the server -------------------------------------------------------------------------------------------------
+
+def test_server_reports_speculation_in_usage_and_metrics(toy_artifact):
+    import httpx
+    from conftest import served
+    from test_server import metrics
+
+    runner = open_runner(toy_artifact, executor_config=CELLS,
+                         runner_config=RunnerConfig(token_budget=64, speculate=Speculation.NGRAM, num_draft_tokens=5))
+    thread = served(runner, "toy")
+    try:
+        prompt = [5] + toy_greedy_continuation([5], 69)
+        body = {"model": "toy", "prompt": prompt, "max_tokens": 25, "temperature": 0, "ignore_eos": True}
+        data = httpx.post(f"{thread.url}/v1/completions", json=body, timeout=60).json()
+        assert data["choices"][0]["token_ids"] == toy_greedy_continuation(prompt, 25)
+        # 1 token from the prompt's step, then 4 steps of 5 accepted drafts + 1.
+        assert data["usage"]["speculation"] == {"draft_tokens": 20, "accepted_tokens": 20, "steps": 4,
+                                                "acceptance_rate": 1.0, "mean_accepted_length": 6.0}
+        streamed = httpx.post(f"{thread.url}/v1/completions", json=body | {"stream": True}, timeout=60).text
+        pieces = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+        assert sum(len(p["choices"][0].get("token_ids") or []) for p in pieces if p["choices"]) in (0, 25)
+        assert "".join(p["choices"][0]["text"] for p in pieces if p["choices"]) == data["choices"][0]["text"]
+        # n > 1 decodes plainly.
+        two = httpx.post(f"{thread.url}/v1/completions", json=body | {"n": 2}, timeout=60).json()
+        assert two["usage"]["speculation"]["steps"] == 0
+        assert [c["token_ids"] for c in two["choices"]] == [data["choices"][0]["token_ids"]] * 2
+        samples = metrics(thread.url)
+        assert samples["pt2serve_spec_accepted_tokens_total"] == samples["pt2serve_spec_draft_tokens_total"] == 40
+        assert samples["pt2serve_spec_verify_steps_total"] == 8
+    finally:
+        thread.stop()
+        runner.close()
