@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pt2serve.runtime.drafter import Drafter
 from pt2serve.runtime.artifact import load_artifact, read_metadata, read_tokenizer_json
+from pt2serve.runtime.drafter import Drafter
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.runner import Runner, RunnerConfig
 from pt2serve.tokenizer import Tokenizer, TokenizerFiles
