@@ -13,7 +13,7 @@ from pt2serve.errors import Pt2ServeError
 from pt2serve.model.presets import toy_greedy_continuation
 from pt2serve.runtime.cells import CellAllocator
 from pt2serve.runtime.drafter import NgramDrafter, Speculation
-from pt2serve.runtime.engine import open_runner
+from pt2serve.runtime.engine import describe_load, open_runner
 from pt2serve.runtime.executor import ExecutorConfig
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec
 from pt2serve.runtime.runner import RunnerConfig
@@ -145,6 +145,7 @@ def test_ngram_drafts_on_toy_greedy_are_accepted_whole(toy_artifact):
     runner = open_runner(toy_artifact, executor_config=CELLS,
                          runner_config=RunnerConfig(token_budget=64, speculate=Speculation.NGRAM, num_draft_tokens=7))
     try:
+        assert "speculating with NgramDrafter, up to 7 drafts per sequence and step" in describe_load(runner)
         prompt = [5] + toy_greedy_continuation([5], 69)
         result = runner.generate(prompt, max_new_tokens=81)
         assert result.token_ids == toy_greedy_continuation(prompt, 81)

@@ -49,11 +49,16 @@ def describe_load(runner: Runner) -> str:
     else:
         graphs = "no CUDA graphs: every step runs forward_others"
     budget = runner.scheduler.config
+    speculation = ""
+    if runner.drafter is not None:
+        speculation = (f"; speculating with {type(runner.drafter).__name__}, up to {runner.num_draft_tokens} drafts "
+                       "per sequence and step")
     return (
         f"loaded in {executor.artifact.report.load_seconds:.1f} s on {executor.device}: weights "
         f"{_size(memory.weight_bytes)}, KV pool {_size(memory.pool_bytes)} for {memory.num_cells - 1:,} tokens "
         f"({memory.pool_sized_by}), {graphs}; steps of up to {budget.token_budget} tokens with up to "
         f"{budget.max_decode_sequences} decodes, prefill chunks of {budget.min_prefill_chunk} tokens or more"
+        f"{speculation}"
     )
 
 

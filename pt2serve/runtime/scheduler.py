@@ -27,6 +27,7 @@ result is back (its drafts need its newest token), while other requests keep one
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -170,6 +171,8 @@ class Scheduler:
             if request_id in scheduled or request.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an earlier one this step
             drafts = self._drafts(request, draft_room)
+            if drafts and not self._can_allocate_freely(1 + len(drafts)):
+                drafts = ()  # drafts never cost another request its cells
             if self._allocate(request, 1 + len(drafts), scheduled):
                 scheduled[request_id] = self._chunk(request, 1, drafts)
                 draft_room -= len(drafts)
@@ -184,12 +187,15 @@ class Scheduler:
                     self.config.max_context - request.length - 1)
         if limit < 1:
             return ()
-        drafts = []
-        for token in self.drafter.propose(request.tokens, limit)[:limit]:
-            if not 0 <= token < (self.config.vocab_size or token + 1):
-                break
-            drafts.append(int(token))
-        return tuple(drafts)
+        vocab = self.config.vocab_size
+        proposed = [int(t) for t in self.drafter.propose(request.tokens, limit)[:limit]]
+        return tuple(itertools.takewhile(lambda t: t >= 0 and (vocab is None or t < vocab), proposed))
+
+    def _can_allocate_freely(self, count: int) -> bool:
+        """Whether `count` cells are free, or can be freed from the prefix cache alone (no preemption)."""
+        if not self.allocator.can_allocate(count):
+            self.prefix_cache.evict(count - self.allocator.num_free)
+        return self.allocator.can_allocate(count)
 
     def _schedule_prefills(self, scheduled: dict[int, ScheduledChunk], budget: int) -> None:
         prefilling = [r for r in self._running if r not in scheduled and not self.requests[r].is_decoding]
