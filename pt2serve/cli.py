@@ -19,6 +19,7 @@ from pt2serve.export.defaults import (
     DEFAULT_MAX_STEP_TOKENS,
     DEFAULT_MIN_PREFILL_CHUNK,
 )
+from pt2serve.runtime_flags import num_draft_tokens_option, speculate_option, speculation
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
@@ -188,15 +189,19 @@ def generate_command(
     seed: Optional[int] = typer.Option(None, help="Seed of the request's sampler."),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: what the artifact was built for)."),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="No CUDA graphs (then every step runs forward_others)."),
+    speculate: Optional[str] = speculate_option(),
+    num_draft_tokens: Optional[int] = num_draft_tokens_option(),
 ) -> None:
     """Generate from a compiled artifact, streaming the text."""
     from pt2serve.runtime.engine import describe_load, open_runner
     from pt2serve.runtime.executor import ExecutorConfig
+    from pt2serve.runtime.runner import RunnerConfig
     from pt2serve.runtime.sampling import SamplingParams
 
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        runner = open_runner(artifact, device, ExecutorConfig(use_cuda_graphs=not no_cuda_graphs))
+        runner_config = RunnerConfig(**speculation(speculate, num_draft_tokens))
+        runner = open_runner(artifact, device, ExecutorConfig(use_cuda_graphs=not no_cuda_graphs), runner_config)
     except Pt2ServeError as err:
         fail(str(err))
     console.print(f"[dim]{describe_load(runner)}[/]")
@@ -210,8 +215,12 @@ def generate_command(
             sys.stdout.flush()
         done = handle.result()
         sys.stdout.write("\n")
+        drafts = ""
+        if done.stats.verify_steps:
+            drafts = (f", {done.stats.accepted_tokens} of {done.stats.draft_tokens} drafted tokens accepted in "
+                      f"{done.stats.verify_steps} steps")
         console.print(f"[dim]{done.stats.prompt_tokens} prompt tokens, {done.stats.completion_tokens} generated, "
-                      f"finish: {done.finish_reason.value}[/]")
+                      f"finish: {done.finish_reason.value}{drafts}[/]")
     except Pt2ServeError as err:
         fail(str(err))
     finally:

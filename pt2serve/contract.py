@@ -28,6 +28,8 @@ SCRATCH_CELL = 0
 FORWARD_OTHERS = "forward_others"
 SAMPLE = "sample"
 SAMPLE_ARGMAX = "sample_argmax"
+ACCEPT_DRAFTS = "accept_drafts"
+ACCEPT_DRAFTS_SAMPLED = "accept_drafts_sampled"
 
 # Inputs of every forward method, in order, followed by the K pools then the V pools (one per layer).
 # forward_N takes exactly N tokens; forward_others takes 2 .. max_step_tokens + 1 (one padding token
@@ -44,6 +46,11 @@ FORWARD_INPUTS = (
 )
 # `sample` takes logits [R, V] fp32, then per row: temperature, top_p, top_k (int64), uniform draw;
 # `sample_argmax` takes the logits alone. Both return token ids [R] int64.
+# Speculation (artifacts exported before it lack these; the runtime then refuses to speculate):
+# `accept_drafts` takes logits [R, V] fp32, row_index [S, K1], drafts [S, K1], num_drafts [S] (int64);
+# `accept_drafts_sampled` takes those, then per sequence temperature, top_p, top_k, and per row an acceptance
+# draw and a sampling draw [S, K1] fp32. Both return num_accepted [S] and ids [S, K1] (int64): a sequence emits
+# its first num_accepted + 1 ids.
 
 
 def forward_name(width: int) -> str:

@@ -1,5 +1,5 @@
-"""The runtime's command-line flags that serve-artifact and bench share: the step budget, the KV pool and
-the prefix cache.
+"""The runtime's command-line flags that serve-artifact, bench and generate share: the step budget, the KV
+pool, the prefix cache and speculative decoding.
 
 Each flag defaults to None, which leaves the field out of RunnerConfig / ExecutorConfig so the runtime's
 own default applies; the defaults live there, and the help only says in words what they are. A value a
@@ -86,4 +86,40 @@ def kv_pool(num_cells: int | None, kv_memory_fraction: float | None) -> dict[str
     if num_cells is not None and num_cells < 2:
         raise Pt2ServeError(f"--num-cells must be at least 2 (a cell for a token and the scratch cell), got {num_cells}")
     given = {"num_cells": num_cells, "kv_memory_fraction": kv_memory_fraction}
+    return {name: value for name, value in given.items() if value is not None}
+
+
+SPECULATION_METHODS = ("none", "ngram")
+
+
+def speculate_option() -> Any:
+    return typer.Option(
+        None, help="Speculative decoding: none, or ngram (drafts from the request's own prompt and output, where its "
+        "last tokens occurred before). Each step verifies a sequence's drafts with its pending token, so it may emit "
+        "several tokens; greedy output is unchanged and sampled output keeps its distribution. Requests with "
+        "structured output, logprobs, penalties, logit_bias, min_tokens or n > 1 decode plainly (default: none)."
+    )
+
+
+def num_draft_tokens_option() -> Any:
+    return typer.Option(
+        None, help="With --speculate: tokens drafted and verified per sequence and step, at most the artifact's widest "
+        "static width minus one (default: the runner's, 4)."
+    )
+
+
+def speculation(speculate: str | None, num_draft_tokens: int | None) -> dict[str, Any]:
+    """The RunnerConfig fields --speculate and --num-draft-tokens set (the ones given), checked."""
+    from pt2serve.runtime.drafter import Speculation
+
+    if speculate is not None and speculate not in SPECULATION_METHODS:
+        raise Pt2ServeError(f"--speculate must be one of {', '.join(SPECULATION_METHODS)}, got {speculate!r}")
+    if num_draft_tokens is not None:
+        if speculate in (None, "none"):
+            raise Pt2ServeError("--num-draft-tokens applies with --speculate ngram only")
+        if num_draft_tokens < 1:
+            raise Pt2ServeError(f"--num-draft-tokens must be at least 1, got {num_draft_tokens}")
+    given: dict[str, Any] = {"num_draft_tokens": num_draft_tokens}
+    if speculate is not None:
+        given["speculate"] = Speculation(speculate)
     return {name: value for name, value in given.items() if value is not None}

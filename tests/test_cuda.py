@@ -136,3 +136,25 @@ def test_an_artifact_for_another_gpu_architecture_is_refused(cuda_artifact, tmp_
         load_artifact(other)
     with pytest.raises(Pt2ServeError, match="exported for cuda"):
         load_artifact(cuda_artifact, device="cpu")
+
+
+def test_speculation_through_captured_graphs_gives_the_designed_tokens(cuda_artifact):
+    """Verifying steps of 1 + k tokens per sequence replay the static widths' graphs: n-gram drafts on toy-greedy
+    are accepted whole, and drafts that are wrong are rejected without changing a token."""
+    from pt2serve.runtime.drafter import Speculation
+
+    runner = open_runner(cuda_artifact, executor_config=ExecutorConfig(num_cells=4097),
+                         runner_config=RunnerConfig(speculate=Speculation.NGRAM, num_draft_tokens=3))
+    try:
+        cycle = [5] + toy_greedy_continuation([5], 69)
+        handles = [runner.submit(cycle[i:], max_new_tokens=40) for i in range(3)]
+        handles += [runner.submit([1 + i, 2, 3, 1 + i, 2], max_new_tokens=40) for i in range(3)]  # drafts that miss
+        for handle in handles:
+            result = handle.result(timeout=120)
+            assert result.token_ids == toy_greedy_continuation(handle.prompt_ids, 40)
+        methods = {call.method for record in runner.step_history for call in record.calls}
+        assert methods & {"forward_4", "forward_16"}  # verifying steps ran in captured widths
+        scheduler = runner.scheduler
+        assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+    finally:
+        runner.close()

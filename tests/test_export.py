@@ -20,6 +20,8 @@ import torch
 
 from conftest import TEST_MAX_CELLS, TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS
 from pt2serve.contract import (
+    ACCEPT_DRAFTS,
+    ACCEPT_DRAFTS_SAMPLED,
     FORMAT_VERSION,
     FORWARD_INPUTS,
     FORWARD_OTHERS,
@@ -253,7 +255,8 @@ def test_the_default_max_cells_caps_no_pool_a_machine_can_hold(model):
 
 
 def test_every_method_is_loaded_by_name(artifact):
-    expected = {forward_name(n) for n in STATIC_SIZES} | {FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX}
+    expected = {forward_name(n) for n in STATIC_SIZES} | {FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, ACCEPT_DRAFTS,
+                                                          ACCEPT_DRAFTS_SAMPLED}
     assert set(artifact.runners) == expected
     # Samplers, on their own: argmax and a greedy row of `sample`.
     logits = torch.randn(3, artifact.metadata.vocab_size)
@@ -409,7 +412,7 @@ def test_metadata_round_trips(tiny_artifact, model):
     assert raw["tokenizer"] == json.loads(json.dumps(byte_tokenizer_files().to_dict()))
     assert raw["source"] == "preset:tiny"
     expected_methods = [forward_name(n) for n in sorted(DEFAULT_FORWARD_SIZES, reverse=True)]
-    expected_methods += [FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX]
+    expected_methods += [FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED]
     assert sorted(raw["methods"]) == sorted(expected_methods)
     internal = [m["internal_name"] for m in raw["methods"].values()]
     assert len(set(internal)) == len(internal)

@@ -19,7 +19,7 @@ from pt2serve.model.presets import build_preset_model, toy_greedy_continuation, 
 from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.cells import CellAllocator, CellTable
 from pt2serve.runtime.executor import Executor, ExecutorConfig
-from pt2serve.runtime.sampling import RequestRandom, SamplingParams
+from pt2serve.runtime.sampling import DrawPurpose, RequestRandom, SamplingParams
 from pt2serve.runtime.step import Chunk, pack, regions
 
 VOCAB = 258
@@ -425,13 +425,19 @@ def test_sample_argmax_is_argmax(executor):
     assert torch.equal(executor.artifact.run(SAMPLE_ARGMAX, [logits[:1]])[0], logits[:1].argmax(-1))
 
 
-def test_request_random_is_seeded():
+def test_request_random_is_seeded_and_keyed_by_position_and_purpose():
     a, b, c = RequestRandom(42), RequestRandom(42), RequestRandom(43)
-    draws_a = [a.next_uniform() for _ in range(100)]
-    assert draws_a == [b.next_uniform() for _ in range(100)]
-    assert draws_a != [c.next_uniform() for _ in range(100)]
-    assert all(0.0 <= u < 1.0 for u in draws_a)
-    unseeded = [RequestRandom(None).next_uniform() for _ in range(3)]
+    draws_a = [a.uniform(position) for position in range(1000)]
+    assert draws_a == [b.uniform(position) for position in range(1000)]
+    assert draws_a != [c.uniform(position) for position in range(1000)]
+    # Out of order, the same draws: nothing depends on how many were taken before.
+    assert [a.uniform(position) for position in reversed(range(1000))] == draws_a[::-1]
+    accepts = [a.uniform(position, DrawPurpose.ACCEPT) for position in range(1000)]
+    assert sum(x == y for x, y in zip(draws_a, accepts)) < 5
+    assert all(0.0 <= u < 1.0 for u in draws_a + accepts)
+    assert all(float(np.float32(u)) == u for u in draws_a)  # exact in fp32: never rounds up to 1.0
+    assert abs(np.mean(draws_a) - 0.5) < 0.03 and abs(np.mean(accepts) - 0.5) < 0.03
+    unseeded = [RequestRandom(None).uniform(0) for _ in range(3)]
     assert len(set(unseeded)) == 3
 
 

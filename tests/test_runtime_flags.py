@@ -15,6 +15,7 @@ from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.engine import describe_load, open_runner
 from pt2serve.runtime.artifact import load_artifact
 from pt2serve.runtime.executor import CPU_POOL_TOKENS, Executor, ExecutorConfig
+from pt2serve.runtime.drafter import Speculation
 from pt2serve.runtime.runner import DEFAULT_TOKEN_BUDGET, RunnerConfig
 
 BUDGET_FLAGS = ["--token-budget", "40", "--max-decode-sequences", "3", "--min-prefill-chunk", "5"]
@@ -67,6 +68,9 @@ def test_serve_flags_left_out_keep_the_runtime_defaults(tiny_artifact, captured_
         (["--kv-memory-fraction", "1.5"], "kv_memory_fraction must be in (0, 0.95]"),
         (["--kv-memory-fraction", "0"], "kv_memory_fraction must be in (0, 0.95]"),
         (["--session-pin-seconds", "-1"], "--session-pin-seconds must be a number of seconds >= 0, got -1.0"),
+        (["--speculate", "eagle"], "--speculate must be one of none, ngram, got 'eagle'"),
+        (["--num-draft-tokens", "3"], "--num-draft-tokens applies with --speculate ngram only"),
+        (["--speculate", "ngram", "--num-draft-tokens", "0"], "--num-draft-tokens must be at least 1, got 0"),
     ],
 )
 def test_serve_bad_values_are_clear_errors(tiny_artifact, captured_configs, args, message):
@@ -89,6 +93,29 @@ def test_bench_flags_reach_the_scheduler_and_the_pool(tiny_artifact, tmp_path):
     assert doc["step_budget"] == {"token_budget": 40, "max_decode_sequences": 3, "min_prefill_chunk": 5}
     assert doc["num_cells"] == 900
     assert doc["num_steps"] > 0 and doc["mean_step_width"] <= 40
+
+
+def test_speculation_flags_reach_the_runner(tiny_artifact, captured_configs):
+    serve(tiny_artifact, "--speculate", "ngram", "--num-draft-tokens", "6")
+    assert captured_configs["runner"] == RunnerConfig(speculate=Speculation.NGRAM, num_draft_tokens=6)
+    serve(tiny_artifact, "--speculate", "none")
+    assert captured_configs["runner"] == RunnerConfig()
+
+
+def test_bench_reports_speculation(toy_artifact, tmp_path):
+    doc = bench(toy_artifact, tmp_path, "--speculate", "ngram", "--num-draft-tokens", "2")
+    speculation = doc["speculation"]
+    assert set(speculation) == {"draft_tokens", "accepted_tokens", "verify_steps", "acceptance_rate",
+                                "accepted_per_step"}
+    assert bench(toy_artifact, tmp_path)["speculation"] is None
+    result = CliRunner().invoke(app, ["bench", str(toy_artifact), "--num-draft-tokens", "63", "--speculate", "ngram",
+                                      "--mode", "requests", "--requests", "1", "--prompt-tokens", "4",
+                                      "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(app, ["bench", str(toy_artifact), "--mode", "requests", "--speculate", "ngram",
+                                      "--num-draft-tokens", "64"])
+    assert result.exit_code != 0 and "widest static width (64)" in " ".join(result.output.split())
+    assert "Traceback" not in result.output
 
 
 def test_bench_flags_reach_the_configs(tiny_artifact, captured_configs):

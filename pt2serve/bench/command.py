@@ -15,8 +15,11 @@ from pt2serve.runtime_flags import (
     max_decode_sequences_option,
     min_prefill_chunk_option,
     num_cells_option,
+    num_draft_tokens_option,
     prefix_cache_option,
     prefix_reuse,
+    speculate_option,
+    speculation,
     step_budget,
     token_budget_option,
 )
@@ -99,6 +102,8 @@ def bench_command(
     max_decode_sequences: Optional[int] = max_decode_sequences_option(),
     min_prefill_chunk: Optional[int] = min_prefill_chunk_option(),
     prefix_cache: Optional[bool] = prefix_cache_option(),
+    speculate: Optional[str] = speculate_option(),
+    num_draft_tokens: Optional[int] = num_draft_tokens_option(),
     url: Optional[str] = typer.Option(None, help="requests: drive the server at this URL instead (e.g. http://127.0.0.1:8000)."),
     model: Optional[str] = typer.Option(None, help="requests with --url: model name (default: the server's first)."),
     device: Optional[str] = typer.Option(None, help="Load onto this device (default: what the artifact was built for)."),
@@ -131,7 +136,8 @@ def locals_without(values: dict, *names: str) -> dict:
 def _run(
     artifact, mode, reference, tokens, warmup, iters, decode_cap, prefill_chunk, context, prompt_tokens, workload,
     turns, system_tokens, requests, max_new_tokens, stagger_ms, request_rate, request_rates, ttft_target_ms,
-    tpot_target_ms, seed, token_budget, max_decode_sequences, min_prefill_chunk, prefix_cache, url, model, device,
+    tpot_target_ms, seed, token_budget, max_decode_sequences, min_prefill_chunk, prefix_cache, speculate,
+    num_draft_tokens, url, model, device,
     num_cells, kv_memory_fraction, no_cuda_graphs, timeout, eager_peer, json_path, plot,
 ) -> None:
     # Every flag as given, for the JSON report (taken first, before the imports below add names).
@@ -149,7 +155,8 @@ def _run(
     # The sweep sets its own step budget per row; a server (--url) has its own runner and pool.
     runner_flags = {"--token-budget": token_budget, "--max-decode-sequences": max_decode_sequences,
                     "--min-prefill-chunk": min_prefill_chunk,
-                    "--prefix-cache/--no-prefix-cache": prefix_cache}
+                    "--prefix-cache/--no-prefix-cache": prefix_cache, "--speculate": speculate,
+                    "--num-draft-tokens": num_draft_tokens}
     chat_flags = {"--workload": workload, "--turns": turns, "--system-tokens": system_tokens}
     wrong_mode = {
         "sweep": {**chat_flags, "--stagger-ms": stagger_ms, "--request-rate": request_rate,
@@ -186,6 +193,7 @@ def _run(
     raw = read_metadata(artifact).raw if artifact is not None else None  # a missing or bad artifact fails here
     executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
     budget = step_budget(token_budget, max_decode_sequences, min_prefill_chunk)
+    speculating = speculation(speculate, num_draft_tokens)
     if plot is not None:
         from pt2serve.bench.report import check_plot_support
 
@@ -240,7 +248,7 @@ def _run(
             url=url, model=model, timeout=timeout, targets=targets,
         )
         target = dict(device=device, executor_config=executor_config,
-                      runner_config=RunnerConfig(**budget, **prefix_reuse(prefix_cache)))
+                      runner_config=RunnerConfig(**budget, **prefix_reuse(prefix_cache), **speculating))
         with StatusLine() as status:
             if rates is None:
                 from pt2serve.bench.requests_mode import run_requests

@@ -61,7 +61,7 @@ def requests_table(result: RequestsResult, title: str | None = None) -> Table:
     caption = (f"{s['completed']}/{s['requests']} completed, {s['output_tokens']} output tokens in "
                f"{_num(s['duration_seconds'])} s: {_num(s['output_tokens_per_second'])} output tok/s, "
                f"{_num(s['requests_per_second'])} req/s ({result.target}); {_prompt_tokens(s)}; "
-               f"{_goodput(s)}{_steps(result)}")
+               f"{_goodput(s)}{_steps(result)}{_speculation(result)}")
     table = Table(title=title or "pt2serve bench: requests", caption=caption)
     for name in ("metric", "p50 ms", "p90 ms", "p99 ms", "mean ms", "max ms", "n"):
         table.add_column(name, justify="left" if name == "metric" else "right")
@@ -126,6 +126,15 @@ def _steps(result: RequestsResult) -> str:
             f"{budget.get('token_budget', '-')}, up to {budget.get('max_decode_sequences', '-')} decodes)")
 
 
+def _speculation(result: RequestsResult) -> str:
+    spec = result.speculation
+    if spec is None:
+        return ""
+    rate = f"{spec['acceptance_rate']:.0%}" if spec["acceptance_rate"] is not None else "-"
+    return (f"; speculation: {spec['accepted_tokens']:,} of {spec['draft_tokens']:,} drafted tokens accepted ({rate}), "
+            f"{_num(spec['accepted_per_step'])} accepted tokens per verifying step")
+
+
 def sweep_document(result: SweepResult, artifact: str | None, raw: dict[str, Any] | None,
                    flags: dict[str, Any]) -> dict[str, Any]:
     return {
@@ -165,6 +174,7 @@ def _run(result: RequestsResult) -> dict[str, Any]:
         "mean_step_width": result.mean_step_width,
         "step_budget": result.step_budget,
         "num_cells": result.num_cells,
+        "speculation": result.speculation,
         "summary": result.summary,
         "requests": [r.to_dict() for r in result.requests],
     }

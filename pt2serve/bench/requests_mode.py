@@ -92,6 +92,19 @@ class RequestsResult:
     step_budget: dict[str, int] | None = None  # in-process: the scheduler's token budget, decode cap, min chunk
     num_cells: int | None = None  # in-process: the KV pool's size in cells (with the scratch cell)
     summary: dict[str, Any] = field(default_factory=dict)
+    speculation: dict[str, Any] | None = None  # in-process, when the runner speculates: see speculation_summary
+
+
+def speculation_summary(draft_tokens: int, accepted_tokens: int, verify_steps: int) -> dict[str, Any]:
+    """What speculation did over a run: drafts verified and accepted, and the accepted drafts per verifying step
+    (each such step emits those plus one token for its sequence)."""
+    return {
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted_tokens,
+        "verify_steps": verify_steps,
+        "acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else None,
+        "accepted_per_step": accepted_tokens / verify_steps if verify_steps else None,
+    }
 
 
 def arrival_times(options: RequestsOptions) -> list[float]:
@@ -228,6 +241,8 @@ def drive_runner(runner, options: RequestsOptions, progress: Progress | None = N
         runner.generate([runner.vocab_size - 1] * 8, max_new_tokens=2, ignore_eos=True)
     runner.clear_prefix_cache()  # each run starts cold: what it reuses, it computed itself
     steps_before = runner.scheduler.step  # steps numbered after this one are the workload's
+    scheduler = runner.scheduler
+    drafts_before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens, scheduler.num_verify_steps)
     if options.workload == "chat":
         from pt2serve.bench.conversations import drive_runner_conversations
 
@@ -244,6 +259,9 @@ def drive_runner(runner, options: RequestsOptions, progress: Progress | None = N
         num_cells=runner.executor.memory.num_cells,
     )
     result.summary = summarise(timings, options.targets)
+    if runner.drafter is not None:
+        drafts_after = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens, scheduler.num_verify_steps)
+        result.speculation = speculation_summary(*(a - b for a, b in zip(drafts_after, drafts_before)))
     return result
 
 

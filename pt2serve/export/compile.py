@@ -17,7 +17,8 @@ from typing import Iterator
 import torch
 import torch._inductor
 
-from pt2serve.export.methods import MethodSpec, trace_forward, trace_sampler
+from pt2serve.contract import ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED
+from pt2serve.export.methods import MethodSpec, trace_acceptor, trace_forward, trace_sampler
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.model import Transformer
@@ -75,6 +76,8 @@ def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, li
         model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.attention, job.quantize)
     if job.spec.name.startswith("forward"):
         program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)
+    elif job.spec.name in (ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED):
+        program, args = trace_acceptor(job.spec, model.config.vocab_size, job.device)
     else:
         program, args = trace_sampler(job.spec, model.config.vocab_size, job.device)
     with torch.no_grad():

@@ -7,9 +7,18 @@ from dataclasses import dataclass
 import torch
 from torch.export import Dim
 
-from pt2serve.contract import FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, SCRATCH_CELL, forward_name
+from pt2serve.contract import (
+    ACCEPT_DRAFTS,
+    ACCEPT_DRAFTS_SAMPLED,
+    FORWARD_OTHERS,
+    SAMPLE,
+    SAMPLE_ARGMAX,
+    SCRATCH_CELL,
+    forward_name,
+)
 from pt2serve.model.model import Transformer
 from pt2serve.model.sampling import ArgmaxSampler, Sampler
+from pt2serve.model.verify import GreedyAcceptor, SampledAcceptor
 
 
 @dataclass(frozen=True)
@@ -24,7 +33,8 @@ class MethodSpec:
 def method_specs(forward_sizes: tuple[int, ...], entries_for) -> list[MethodSpec]:
     """All methods of an artifact, the slowest to compile (widest static) first."""
     specs = [MethodSpec(forward_name(n), n, entries_for(n)) for n in sorted(forward_sizes, reverse=True)]
-    return specs + [MethodSpec(FORWARD_OTHERS), MethodSpec(SAMPLE), MethodSpec(SAMPLE_ARGMAX)]
+    samplers = [SAMPLE, SAMPLE_ARGMAX, ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED]
+    return specs + [MethodSpec(FORWARD_OTHERS)] + [MethodSpec(name) for name in samplers]
 
 
 def example_step(num_tokens: int, num_seqs: int, num_entries: int, num_cells: int, device) -> tuple:
@@ -97,4 +107,29 @@ def trace_sampler(spec: MethodSpec, vocab_size: int, device):
             torch.tensor([0.1, 0.5, 0.9], device=device),
         )
         module, dynamic_shapes = Sampler(), ({0: rows}, {0: rows}, {0: rows}, {0: rows}, {0: rows})
+    return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False), args
+
+
+def trace_acceptor(spec: MethodSpec, vocab_size: int, device):
+    """torch.export `accept_drafts` or `accept_drafts_sampled` over dynamic logit rows, sequences and draft width."""
+    rows, seqs, width = Dim("rows", min=2), Dim("seqs", min=2), Dim("draft_width", min=2)
+    logits = torch.randn(8, vocab_size, device=device)
+    # Valid data: two sequences of 3 rows (2 drafts and 1), padded to width 3 by repeating a real row.
+    row_index = torch.tensor([[0, 1, 2], [3, 4, 4]], device=device)
+    drafts = torch.tensor([[5, 6, 0], [7, 0, 0]], device=device)
+    num_drafts = torch.tensor([2, 1], device=device)
+    args = (logits, row_index, drafts, num_drafts)
+    dynamic_shapes = ({0: rows}, {0: seqs, 1: width}, {0: seqs, 1: width}, {0: seqs})
+    if spec.name == ACCEPT_DRAFTS:
+        module = GreedyAcceptor()
+    else:
+        module = SampledAcceptor()
+        args += (
+            torch.tensor([0.0, 0.7], device=device),
+            torch.tensor([1.0, 0.9], device=device),
+            torch.tensor([0, 5], device=device),
+            torch.rand(2, 3, device=device),
+            torch.rand(2, 3, device=device),
+        )
+        dynamic_shapes += ({0: seqs}, {0: seqs}, {0: seqs}, {0: seqs, 1: width}, {0: seqs, 1: width})
     return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False), args

@@ -32,6 +32,25 @@ def blocked_cumsum(x: torch.Tensor) -> torch.Tensor:
     return (within + offsets[:, :, None]).reshape(rows, num_blocks * SCAN_BLOCK)[:, :width]
 
 
+def kept_sorted_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's probabilities in descending order with only its top-k / top-p tokens kept (not renormalised),
+    and the token id at each rank. [R, V] logits, per-row parameters -> ([R, V] fp32, [R, V] int64)."""
+    vocab = logits.shape[-1]
+    is_greedy = temperature <= 0
+    scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)[:, None]
+    # Stable descending sort: equal logits keep index order, which a host reference can reproduce.
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
+    probs = sorted_logits.softmax(dim=-1)
+    rank = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    mass_before = blocked_cumsum(probs) - probs
+    # Keep the top k, and of those the shortest prefix whose mass reaches top_p (rank 0 always).
+    keep = (rank[None, :] < k[:, None]) & ((mass_before < top_p[:, None]) | (rank[None, :] == 0))
+    return probs * keep, sorted_ids
+
+
 class Sampler(nn.Module):
     def forward(
         self,
@@ -41,23 +60,13 @@ class Sampler(nn.Module):
         top_k: torch.Tensor,  # [R] int64; <= 0 means no limit
         uniform: torch.Tensor,  # [R] fp32 in [0, 1)
     ) -> torch.Tensor:  # [R] int64
-        vocab = logits.shape[-1]
-        is_greedy = temperature <= 0
-        scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)[:, None]
-        # Stable descending sort: equal logits keep index order, which a host reference can reproduce.
-        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
-        probs = sorted_logits.softmax(dim=-1)
-        rank = torch.arange(vocab, device=logits.device)
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        mass_before = blocked_cumsum(probs) - probs
-        # Keep the top k, and of those the shortest prefix whose mass reaches top_p (rank 0 always).
-        keep = (rank[None, :] < k[:, None]) & ((mass_before < top_p[:, None]) | (rank[None, :] == 0))
-        cdf = blocked_cumsum(probs * keep)
+        kept, sorted_ids = kept_sorted_probs(logits, temperature, top_p, top_k)
+        cdf = blocked_cumsum(kept)
         target = uniform[:, None] * cdf[:, -1:]
         # Inverse CDF: the first rank whose cumulative mass passes the draw, never past the kept ones.
-        choice = torch.minimum((cdf <= target).sum(dim=-1), keep.sum(dim=-1) - 1)
+        choice = torch.minimum((cdf <= target).sum(dim=-1), (kept > 0).sum(dim=-1) - 1)
         sampled = sorted_ids.gather(1, choice[:, None]).squeeze(1)
-        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(temperature <= 0, logits.argmax(dim=-1), sampled)
 
 
 class ArgmaxSampler(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pt2serve.runtime.artifact import load_artifact, read_metadata, read_tokenizer_json
+from pt2serve.runtime.drafter import Drafter
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.runner import Runner, RunnerConfig
 from pt2serve.tokenizer import Tokenizer, TokenizerFiles
@@ -27,12 +28,13 @@ def open_runner(
     executor_config: ExecutorConfig = ExecutorConfig(),
     runner_config: RunnerConfig = RunnerConfig(),
     show_progress: bool = False,
+    drafter: Drafter | None = None,
 ) -> Runner:
     """Load `path` onto `device` (default: what it was built for) and start its engine thread."""
     artifact = load_artifact(path, device=device, show_progress=show_progress)
     executor = Executor(artifact, executor_config)
     tokenizer = artifact_tokenizer(artifact.tokenizer_json, artifact.metadata.raw.get("tokenizer"))
-    return Runner(executor, tokenizer, runner_config)
+    return Runner(executor, tokenizer, runner_config, drafter)
 
 
 def describe_load(runner: Runner) -> str:
@@ -47,11 +49,16 @@ def describe_load(runner: Runner) -> str:
     else:
         graphs = "no CUDA graphs: every step runs forward_others"
     budget = runner.scheduler.config
+    speculation = ""
+    if runner.drafter is not None:
+        speculation = (f"; speculating with {type(runner.drafter).__name__}, up to {runner.num_draft_tokens} drafts "
+                       "per sequence and step")
     return (
         f"loaded in {executor.artifact.report.load_seconds:.1f} s on {executor.device}: weights "
         f"{_size(memory.weight_bytes)}, KV pool {_size(memory.pool_bytes)} for {memory.num_cells - 1:,} tokens "
         f"({memory.pool_sized_by}), {graphs}; steps of up to {budget.token_budget} tokens with up to "
         f"{budget.max_decode_sequences} decodes, prefill chunks of {budget.min_prefill_chunk} tokens or more"
+        f"{speculation}"
     )
 
 

@@ -12,6 +12,9 @@ id into step n+1's inputs on the device, in stream order.
 A step that samples for a grammar-constrained chunk (Chunk.grammar) returns a DeferredSampling after its
 forward: its caller reads the previous step's ids meanwhile, fills the token masks, and then queues the
 sampling (see grammar.py).
+
+A verifying chunk (Chunk.drafts) is judged by the artifact's acceptance method after the forward, and comes
+back as the tokens its sequence emits (verify.py); the caller commits only those.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from pt2serve.contract import SAMPLE, SAMPLE_ARGMAX
+from pt2serve.contract import ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED, SAMPLE, SAMPLE_ARGMAX
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import Artifact
 from pt2serve.runtime.cells import (
@@ -38,6 +41,7 @@ from pt2serve.runtime.graphs import capture_all
 from pt2serve.runtime.logits import LogitsProcessor
 from pt2serve.runtime.logprobs import ScoredRows, TokenLogprob, score
 from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, regions, slice_step
+from pt2serve.runtime.verify import acceptance_inputs, emitted_tokens
 
 
 # On the CPU the pool shares host memory with everything else, and a CPU serves few tokens at a time: by
@@ -81,6 +85,8 @@ class StepResult:
     # Per chunk, where asked for: the sampled token's log probability, and the scored prompt rows' in order.
     logprobs: tuple[TokenLogprob | None, ...] = ()
     prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    # Per chunk: for a verifying chunk, the tokens its sequence emits (accepted drafts, then one more); else None.
+    verified: tuple[tuple[int, ...] | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,14 +100,17 @@ class PendingStep:
 
     def __init__(self, chunks: list[Chunk], calls: tuple[CallRecord, ...], sampled: list[int],
                  ids: torch.Tensor | None, started: torch.cuda.Event | None,
-                 scored: list[ScoredRows | _ScoredPrompt] = ()) -> None:
+                 scored: list[ScoredRows | _ScoredPrompt] = (),
+                 verified: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = ()) -> None:
         self._chunks = chunks
         self._calls = calls
         self._sampled = sampled  # the chunk index of each row of ids
         self._started = started
         self._ended: torch.cuda.Event | None = None
         self._scored = scored  # sampled rows' (ScoredRows) and prompt rows' (_ScoredPrompt) log probabilities
+        self._verified = [indices for indices, _, _ in verified]  # per acceptance call: its chunks' indices
         downloads = [ids] if ids is not None else []
+        downloads += [t for _, num_accepted, accepted_ids in verified for t in (num_accepted, accepted_ids)]
         downloads += [t for block in scored for t in _rows(block).tensors]
         self._host = downloads
         if started is not None:  # CUDA: copy everything down behind the queued work, in one sync
@@ -122,8 +131,13 @@ class PendingStep:
         if self._sampled:
             for index, token in zip(self._sampled, host.pop(0).tolist()):
                 tokens[index] = token
+        verified: list[tuple[int, ...] | None] = [None] * num_chunks
+        for indices in self._verified:
+            num_accepted, ids = host.pop(0).tolist(), host.pop(0).tolist()
+            for index, emitted in zip(indices, emitted_tokens(num_accepted, ids)):
+                verified[index] = emitted
         if not self._scored:
-            return StepResult(tuple(tokens), self._calls, device_seconds)
+            return StepResult(tuple(tokens), self._calls, device_seconds, verified=tuple(verified))
         logprobs: list[TokenLogprob | None] = [None] * num_chunks
         prompt: list[list[TokenLogprob]] = [[] for _ in range(num_chunks)]
         for block in self._scored:
@@ -137,7 +151,7 @@ class PendingStep:
                 for chunk, row in zip(rows.chunks, rows.read(values, [tokens[c] for c in rows.chunks])):
                     logprobs[chunk] = row
         return StepResult(tuple(tokens), self._calls, device_seconds, tuple(logprobs),
-                          tuple(tuple(rows) for rows in prompt))
+                          tuple(tuple(rows) for rows in prompt), tuple(verified))
 
 
 def _rows(block: ScoredRows | _ScoredPrompt) -> ScoredRows:
@@ -151,6 +165,7 @@ class _Forwarded:
     chunks: list[Chunk]
     calls: tuple[CallRecord, ...]
     to_sample: list[tuple[torch.Tensor, tuple[int, ...], list[Chunk]]]  # (logits, chunk indices, chunks) per call
+    to_verify: list[tuple[torch.Tensor, tuple[int, ...], list[Chunk]]]  # the same, for verifying chunks
     scored: list[_ScoredPrompt]
     started: torch.cuda.Event | None
 
@@ -211,6 +226,8 @@ class Executor:
         self.pools = [*k_pools, *v_pools]
         self.allocator = CellAllocator(num_cells)
         self.logits_processor = LogitsProcessor(meta.vocab_size, self.device, self._to_device)
+        # Artifacts exported before speculation lack the acceptance methods.
+        self.can_verify = ACCEPT_DRAFTS in artifact.runners and ACCEPT_DRAFTS_SAMPLED in artifact.runners
         self._previous_ids: torch.Tensor | None = None
         self._previous_rows: dict[int, int] = {}
         free_before = _free_device_bytes(self.device)
@@ -282,7 +299,7 @@ class Executor:
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        to_sample, calls, scored = [], [], []
+        to_sample, to_verify, calls, scored = [], [], [], []
         for piece, call in self.method_calls(chunks):
             logits = self._forward(call)
             by_index = dict(piece)
@@ -290,10 +307,15 @@ class Executor:
             if num_sampled:
                 rows = [by_index[i] for i in call.sampled_chunks]
                 to_sample.append((logits[:num_sampled], call.sampled_chunks, rows))
+            if call.verified_chunks:
+                verifying = [by_index[i] for i in call.verified_chunks]
+                num_rows = sum(len(c.drafts) + 1 for c in verifying)
+                to_verify.append((logits[num_sampled:num_sampled + num_rows], call.verified_chunks, verifying))
+                num_sampled += num_rows
             if call.prompt_rows:
                 scored.append(self._score_prompt(logits[num_sampled:], call, by_index))
             calls.append(CallRecord(call.method, call.num_tokens))
-        step = _Forwarded(chunks, tuple(calls), to_sample, scored, started)
+        step = _Forwarded(chunks, tuple(calls), to_sample, to_verify, scored, started)
         if any(chunk.grammar for _, _, rows in to_sample for chunk in rows):
             return DeferredSampling(self, step)
         return self._sample_step(step, None)
@@ -311,7 +333,26 @@ class Executor:
         # What a placeholder in the next step reads: this step's ids, by chunk index.
         self._previous_ids = ids
         self._previous_rows = {chunk: row for row, chunk in enumerate(sampled)}
-        return PendingStep(step.chunks, step.calls, sampled, ids, step.started, scored)
+        verified = [(indices, *self._verify(logits, rows)) for logits, indices, rows in step.to_verify]
+        return PendingStep(step.chunks, step.calls, sampled, ids, step.started, scored, verified)
+
+    def _verify(self, logits: torch.Tensor, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Judge the verifying chunks' drafts on the device: (num_accepted [S], ids [S, K1])."""
+        if not self.can_verify:
+            raise Pt2ServeError("this artifact has no acceptance methods (exported before speculation): "
+                                "re-export it to speculate")
+        inputs = acceptance_inputs(chunks)
+        shape = (inputs.num_seqs, inputs.width)
+        row_index, drafts, num_drafts, top_k = regions(self._to_device(inputs.ints), inputs.int_sizes)
+        row_index, drafts = row_index.view(shape), drafts.view(shape)
+        logits = logits.contiguous()  # see _sample: compiled methods assume contiguous rows
+        if inputs.is_greedy:
+            return tuple(self.artifact.run(ACCEPT_DRAFTS, [logits, row_index, drafts, num_drafts]))
+        temperature, top_p, accept_uniform, sample_uniform = regions(self._to_device(inputs.floats),
+                                                                     inputs.float_sizes)
+        return tuple(self.artifact.run(ACCEPT_DRAFTS_SAMPLED, [
+            logits, row_index, drafts, num_drafts, temperature, top_p, top_k,
+            accept_uniform.view(shape), sample_uniform.view(shape)]))
 
     def _score_sampled(self, logits: torch.Tensor, ids: torch.Tensor, indices: tuple[int, ...],
                        rows: list[Chunk]) -> list[ScoredRows]:

@@ -49,6 +49,7 @@ class RequestSpec:
     logprobs: int | None = None  # each sampled token's log probability, with this many alternatives
     prompt_logprobs: int | None = None  # each prompt token's (but the first), with this many alternatives
     grammar: Any = None  # a compiled grammar (grammar.py) the generated tokens must follow
+    num_draft_tokens: int = 0  # speculate: verify up to this many drafted tokens per step (0: plain decode)
 
 
 @dataclass
@@ -60,6 +61,10 @@ class RequestStats:
     preemptions: int = 0  # times its cells were taken back and its tokens recomputed later
     arrival_step: int = 0
     first_scheduled_step: int | None = None
+    # Speculation: tokens drafted and verified, how many of them were accepted, and in how many steps.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
 
 @dataclass

@@ -12,6 +12,10 @@ One step stays in flight: the engine plans and launches step n+1, then waits for
 them (detokenizes, checks stop strings, delivers events) while step n+1 runs on the device. The device
 never waits for the host's per-step work; sampled ids are read one step late, so a request that stops at
 step n still had a decode queued in step n+1, whose result is dropped.
+
+Speculation (RunnerConfig.speculate, or a drafter handed in): each eligible request verifies up to
+num_draft_tokens drafted tokens per step (scheduler.py, verify.py); a step may then bring several tokens of
+one request, delivered in order, up to the first that ends it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pt2serve.errors import Pt2ServeError
+from pt2serve.runtime.drafter import Drafter, NgramDrafter, Speculation
 from pt2serve.runtime.executor import CallRecord, DeferredSampling, Executor, PendingStep, StepResult
 from pt2serve.runtime.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher
 from pt2serve.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
@@ -38,6 +43,7 @@ STEP_HISTORY = 100_000  # step records kept for inspection (tests, benchmarks)
 
 
 DEFAULT_TOKEN_BUDGET = 2048
+DEFAULT_NUM_DRAFT_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,14 @@ class RunnerConfig:
     prefix_cache: bool = True
     max_sessions: int = 64  # sessions whose cached path is pinned against eviction
     session_pin_seconds: float = 600.0  # how long a pin lasts after the session's last request
+    speculate: Speculation = Speculation.NONE
+    # Drafts verified per step and request: each step of a speculating request runs 1 + this many tokens,
+    # which must fit the artifact's widest static width (so the step still runs in a captured graph).
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise Pt2ServeError(f"num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
 
 
 @dataclass(frozen=True)
@@ -104,6 +118,10 @@ class RunnerStats:
     num_steps: int = 0
     num_preemptions: int = 0
     cells_leaked: int = 0  # counted while idle: cells in use that nothing holds (always 0 unless a bug)
+    # Speculation since start: drafted tokens verified, those accepted, and verifying steps (per request).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
 
 class RequestHandle:
@@ -173,9 +191,17 @@ class _Live:
 
 
 class Runner:
-    def __init__(self, executor: Executor, tokenizer: Tokenizer | None = None, config: RunnerConfig = RunnerConfig()):
+    def __init__(self, executor: Executor, tokenizer: Tokenizer | None = None, config: RunnerConfig = RunnerConfig(),
+                 drafter: Drafter | None = None):
+        """`drafter`: where drafts come from (default: as config.speculate says; given, the runner speculates)."""
         meta = executor.artifact.metadata
         budget = config.token_budget or min(DEFAULT_TOKEN_BUDGET, meta.max_step_tokens)
+        if drafter is None and config.speculate is Speculation.NGRAM:
+            drafter = NgramDrafter()
+        if drafter is not None:
+            _check_speculation(executor, config.num_draft_tokens)
+        self.drafter = drafter
+        self.num_draft_tokens = config.num_draft_tokens
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_context = meta.max_context
@@ -194,8 +220,10 @@ class Runner:
                 prefix_cache=config.prefix_cache,
                 max_sessions=config.max_sessions,
                 session_pin_seconds=config.session_pin_seconds,
+                vocab_size=meta.vocab_size,
             ),
             executor.allocator,
+            drafter,
         )
         self.step_history: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.stats = RunnerStats(cells_free=executor.allocator.num_free)
@@ -236,12 +264,15 @@ class Runner:
         prompt_logprobs: int | None = None,
         parent: RequestHandle | None = None,
         grammar: GrammarSpec | CompiledGrammar | None = None,
+        speculate: bool | None = None,
     ) -> RequestHandle:
         """Queue a request; raises Pt2ServeError for a request that can never run.
 
         `logprobs` / `prompt_logprobs`: score each sampled / prompt token, with that many alternatives.
         `parent`: a request submitted before with the same prompt, whose prompt cells this one shares.
-        `grammar`: what the output must match (a spec is compiled here, on the caller's thread)."""
+        `grammar`: what the output must match (a spec is compiled here, on the caller's thread).
+        `speculate`: None speculates when the runner does and the request allows it; True insists (refused
+        where it cannot), False decodes plainly."""
         prompt_ids = self._prompt_ids(prompt)
         if parent is not None and parent.prompt_ids != prompt_ids:
             raise Pt2ServeError("a request shares its parent's cells only with the parent's prompt")
@@ -264,9 +295,18 @@ class Runner:
         stops = set(stop_token_ids)
         if self.tokenizer is not None and not ignore_eos:
             stops.update(self.tokenizer.eos_token_ids)
+        excluded = _not_speculating_because(sampling, logprobs, prompt_logprobs, parent is not None,
+                                            grammar is not None)
+        if speculate and self.drafter is None:
+            raise Pt2ServeError("this server does not speculate: start it with --speculate ngram")
+        if speculate and excluded:
+            raise Pt2ServeError(f"speculative decoding does not combine with {excluded}: leave it out, or do not "
+                                "ask to speculate")
+        speculates = self.drafter is not None and speculate is not False and not excluded
         compiled = self.grammars.compile(grammar) if isinstance(grammar, GrammarSpec) else grammar
         spec = RequestSpec(tuple(prompt_ids), max_new_tokens, sampling, frozenset(stops), tuple(stop_strings),
-                           session_id, ignore_eos, logprobs, prompt_logprobs, compiled)
+                           session_id, ignore_eos, logprobs, prompt_logprobs, compiled,
+                           self.num_draft_tokens if speculates else 0)
         handle = RequestHandle(next(self._ids), prompt_ids, on_event)
         with self._active_lock:
             if self._stopping:
@@ -422,8 +462,9 @@ class Runner:
             StepRecord(plan.step, plan.num_tokens, plan.num_decode, result.calls, seconds, result.device_seconds)
         )
         logprobs = self._collect_logprobs(plan, result)
-        for event in self.scheduler.commit(plan, result.tokens):
-            self._on_token(event.request_id, event.token, event.finish_reason, logprobs.get(event.request_id))
+        for event in self.scheduler.commit(plan, result.tokens, result.verified):
+            if event.request_id in self._live:  # (not when an earlier token of the same step ended it)
+                self._on_token(event.request_id, event.token, event.finish_reason, logprobs.get(event.request_id))
 
     def _collect_logprobs(self, plan: StepPlan, result: StepResult) -> dict[int, TokenLogprob]:
         """Keep the step's scored prompt positions; return its sampled tokens' log probabilities by request."""
@@ -526,6 +567,9 @@ class Runner:
             num_steps=self.scheduler.step,
             num_preemptions=self.scheduler.num_preemptions,
             cells_leaked=self.stats.cells_leaked if self.scheduler.has_work() else self.scheduler.num_leaked_cells(),
+            draft_tokens=self.scheduler.num_draft_tokens,
+            accepted_tokens=self.scheduler.num_accepted_tokens,
+            verify_steps=self.scheduler.num_verify_steps,
         )
 
     def _shutdown(self) -> None:
@@ -533,3 +577,30 @@ class Runner:
             self._finish(request_id, FinishReason.CANCELLED)
         self.scheduler.prefix_cache.clear()  # the pool is left empty for whoever uses the executor next
         self._update_stats()
+
+
+def _check_speculation(executor: Executor, num_draft_tokens: int) -> None:
+    """Refuse speculation the artifact cannot run, saying what to change."""
+    meta = executor.artifact.metadata
+    if not executor.can_verify:
+        raise Pt2ServeError("this artifact has no acceptance methods (it was exported before speculative decoding): "
+                            "re-export it, or serve it without --speculate")
+    widest = max(meta.forward_sizes)
+    if num_draft_tokens + 1 > widest:
+        raise Pt2ServeError(f"--num-draft-tokens {num_draft_tokens} makes steps of {num_draft_tokens + 1} tokens per "
+                            f"sequence, wider than the artifact's widest static width ({widest}): use at most "
+                            f"{widest - 1}")
+
+
+def _not_speculating_because(sampling: SamplingParams, logprobs: int | None, prompt_logprobs: int | None,
+                             has_parent: bool, has_grammar: bool) -> str | None:
+    """What keeps a request from speculating, in words (None: nothing). Their logits or tokens need per-token
+    host or device work that verified steps do not do."""
+    reasons = [name for name, applies in (
+        ("structured output", has_grammar),
+        ("logprobs", logprobs is not None or prompt_logprobs is not None),
+        ("penalties or logit_bias", sampling.has_penalties or bool(sampling.logit_bias)),
+        ("min_tokens", sampling.min_tokens > 0),
+        ("n > 1", has_parent),
+    ) if applies]
+    return ", ".join(reasons) or None

@@ -3,12 +3,13 @@
 Penalties, logit_bias and min_tokens change the logits before sampling (on the device: logits.py).
 
 The device sampler (the artifact's `sample` method) is a pure function of logits, parameters and one
-uniform draw per row; the draws come from here, one generator per request, so a request's tokens do not
-depend on what else shares its steps.
+uniform draw per row; the draws come from here, keyed by the request's seed and the token's position, so a
+request's tokens do not depend on what else shares its steps.
 """
 
 from __future__ import annotations
 
+import enum
 import random
 from dataclasses import dataclass
 
@@ -60,11 +61,33 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
+class DrawPurpose(enum.IntEnum):
+    """What a uniform draw decides; each purpose is its own stream, so uses never share a draw."""
+
+    SAMPLE = 0  # the token sampled at a position (plain sampling, or a correction / bonus after drafts)
+    ACCEPT = 1  # whether the draft at a position is accepted
+
+
+_MASK_64 = (1 << 64) - 1
+_UNIFORM_BITS = 24  # an fp32 holds every multiple of 2**-24 in [0, 1) exactly, so a draw never rounds up to 1
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finaliser: a bijection on 64-bit integers whose output bits all depend on every input bit."""
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK_64
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK_64
+    return value ^ (value >> 31)
+
+
 class RequestRandom:
-    """A request's own stream of uniform draws in [0, 1), one per sampled token."""
+    """A request's own random draws, counter-based: uniform(position, purpose) is a pure function of the seed,
+    the token position it decides and its purpose. So a request's tokens do not depend on what shared its
+    steps nor on how many tokens a step produced for it (speculation emits several at once)."""
 
     def __init__(self, seed: int | None) -> None:
-        self._random = random.Random(seed if seed is not None else random.SystemRandom().getrandbits(64))
+        self._key = _mix64((seed if seed is not None else random.SystemRandom().getrandbits(64)) & _MASK_64)
 
-    def next_uniform(self) -> float:
-        return self._random.random()
+    def uniform(self, position: int, purpose: DrawPurpose = DrawPurpose.SAMPLE) -> float:
+        """A draw in [0, 1) for the token at `position` (its index in the request's tokens)."""
+        counter = _mix64(self._key ^ _mix64(position * 2 + int(purpose)))
+        return (counter >> (64 - _UNIFORM_BITS)) / (1 << _UNIFORM_BITS)

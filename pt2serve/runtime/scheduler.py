@@ -16,18 +16,30 @@ and neither a new arrival nor a stream of them can push an older request out of 
 may be made while the previous one still runs (one step in flight): scheduling advances num_computed at
 once, a sampling chunk counts an unresolved sample, and a decode whose token is that in-flight sample names
 the chunk of the previous plan that samples it (ScheduledChunk.previous_sample). Commits come in plan order.
+
+Speculation: a request with num_draft_tokens decodes its pending token plus up to that many tokens its
+drafter proposes, all in one chunk that takes 1 + k tokens of the budget and 1 + k cells. Its num_computed
+advances by one when planned and by the accepted count when the result comes back; the cells of rejected
+drafts are freed then (the next step writes those positions again). It is planned again only once its
+result is back (its drafts need its newest token), while other requests keep one step in flight.
+
+    cells:  [ ... | pending | d1 d2 d3 ]   planned:  num_computed = position of d1
+                                           2 accepted: num_computed += 2, the cell of d3 freed
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from pt2serve.runtime.cells import CellAllocator, CellTable
+from pt2serve.runtime.drafter import Drafter
 from pt2serve.runtime.prefix_cache import PrefixCache
 from pt2serve.runtime.request import FinishReason, Request, RequestStatus
+from pt2serve.runtime.sampling import DrawPurpose
 from pt2serve.runtime.step import Chunk
 
 PLACEHOLDER_TOKEN = 0  # the host's stand-in for a token still on the device (any valid id)
@@ -42,6 +54,7 @@ class SchedulerConfig:
     prefix_cache: bool = True  # reuse the longest cached prefix of every request's tokens
     max_sessions: int = 64  # sessions whose cached path is pinned against eviction
     session_pin_seconds: float = 600.0  # how long a session's path stays pinned after its last request
+    vocab_size: int | None = None  # drafts are cut at the first id outside it (a token the model cannot embed)
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_decode_sequences < 1:
@@ -56,6 +69,7 @@ class ScheduledChunk:
     samples: bool  # the chunk reaches the request's newest token: its next token is sampled
     uniform: float  # the request's draw for that sample
     previous_sample: int | None = None  # a decode of an in-flight sample: that chunk's index in the last plan
+    drafts: tuple[int, ...] = ()  # a verifying decode: its last len(drafts) tokens are drafted, not known
 
 
 @dataclass(frozen=True)
@@ -77,9 +91,10 @@ class TokenEvent:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: CellAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: CellAllocator, drafter: Drafter | None = None) -> None:
         self.config = config
         self.allocator = allocator
+        self.drafter = drafter  # proposes the drafts of requests that speculate
         self.prefix_cache = PrefixCache(allocator, config.prefix_cache, config.max_sessions,
                                         config.session_pin_seconds)
         self.requests: dict[int, Request] = {}
@@ -89,6 +104,9 @@ class Scheduler:
         self._sampling_index: dict[int, int] = {}  # request id -> its sampling chunk's index in the last plan
         self.step = 0
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculation since start: drafts verified, accepted, verifying steps
+        self.num_accepted_tokens = 0
+        self.num_verify_steps = 0
 
     # -- queue ---------------------------------------------------------------------------------------
 
@@ -119,9 +137,11 @@ class Scheduler:
             reserve = min(self.config.min_prefill_chunk, self.config.token_budget // 2)
             decode_cap = min(decode_cap, self.config.token_budget - reserve)
         decode_cap = max(1, min(decode_cap, self.config.token_budget))
-        self._schedule_decodes(scheduled, decode_cap)
+        decode_budget = self.config.token_budget - (reserve if prompts_wait else 0)
+        self._schedule_decodes(scheduled, decode_cap, max(decode_cap, decode_budget))
         num_decode = len(scheduled)
-        self._schedule_prefills(scheduled, self.config.token_budget - num_decode)
+        decode_tokens = sum(c.num_tokens for c in scheduled.values())
+        self._schedule_prefills(scheduled, self.config.token_budget - decode_tokens)
         plan = StepPlan(self.step, tuple(scheduled.values()), num_decode)
         self._sampling_index = {c.request_id: i for i, c in enumerate(plan.chunks) if c.samples}
         assert plan.num_tokens <= self.config.token_budget
@@ -129,25 +149,55 @@ class Scheduler:
         return plan
 
     def _can_decode(self, request: Request) -> bool:
-        """Its pending token is known or is sampled by the last plan, and another sample stays in its limits."""
-        is_fed = request.num_computed < len(request.tokens) or request.id in self._sampling_index
+        """Its pending token is known or is sampled by the last plan, and another sample stays in its limits.
+        A request that speculates waits for its pending token: its drafts follow from it."""
+        is_known = request.num_computed < len(request.tokens)
+        is_fed = is_known or (request.id in self._sampling_index and not request.spec.num_draft_tokens)
         within_limits = request.num_sampled < request.spec.max_new_tokens and request.length < self.config.max_context
         return request.is_decoding and is_fed and within_limits
 
-    def _schedule_decodes(self, scheduled: dict[int, ScheduledChunk], cap: int) -> None:
+    def _schedule_decodes(self, scheduled: dict[int, ScheduledChunk], cap: int, token_budget: int) -> None:
+        """Up to `cap` decodes of one token each, plus drafts for those that speculate, in `token_budget`."""
         decoding = [r for r in self._running if self._can_decode(self.requests[r])]
         if not decoding:
             return
         self._decode_turn %= len(decoding)
         order = decoding[self._decode_turn:] + decoding[:self._decode_turn]
         self._decode_turn += cap
+        chosen = order[:cap]
+        draft_room = token_budget - len(chosen)  # budget tokens left for drafts, first come first served
         # One eviction for all the decodes: the cells they need that the pool lacks, not one call per decode.
-        self.prefix_cache.evict(min(cap, len(order)) - self.allocator.num_free)
-        for request_id in order[:cap]:
-            if request_id in scheduled or self.requests[request_id].status is not RequestStatus.RUNNING:
+        self.prefix_cache.evict(len(chosen) - self.allocator.num_free)
+        for request_id in chosen:
+            request = self.requests[request_id]
+            if request_id in scheduled or request.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an earlier one this step
-            if self._allocate(self.requests[request_id], 1, scheduled):
-                scheduled[request_id] = self._chunk(self.requests[request_id], 1)
+            drafts = self._drafts(request, draft_room)
+            if drafts and not self._can_allocate_freely(1 + len(drafts)):
+                drafts = ()  # drafts never cost another request its cells
+            if self._allocate(request, 1 + len(drafts), scheduled):
+                scheduled[request_id] = self._chunk(request, 1, drafts)
+                draft_room -= len(drafts)
+
+    def _drafts(self, request: Request, room: int) -> tuple[int, ...]:
+        """The drafts a speculating request verifies this step: at most its bound and `room`, and never more
+        than its limits leave room for (the step emits up to len(drafts) + 1 tokens)."""
+        if not request.spec.num_draft_tokens or self.drafter is None:
+            return ()
+        limit = min(request.spec.num_draft_tokens, room,
+                    request.spec.max_new_tokens - request.num_sampled - 1,
+                    self.config.max_context - request.length - 1)
+        if limit < 1:
+            return ()
+        vocab = self.config.vocab_size
+        proposed = [int(t) for t in self.drafter.propose(request.tokens, limit)[:limit]]
+        return tuple(itertools.takewhile(lambda t: t >= 0 and (vocab is None or t < vocab), proposed))
+
+    def _can_allocate_freely(self, count: int) -> bool:
+        """Whether `count` cells are free, or can be freed from the prefix cache alone (no preemption)."""
+        if not self.allocator.can_allocate(count):
+            self.prefix_cache.evict(count - self.allocator.num_free)
+        return self.allocator.can_allocate(count)
 
     def _schedule_prefills(self, scheduled: dict[int, ScheduledChunk], budget: int) -> None:
         prefilling = [r for r in self._running if r not in scheduled and not self.requests[r].is_decoding]
@@ -171,8 +221,8 @@ class Scheduler:
             request.last_prefill_step = self.step
             budget -= count
 
-    def _chunk(self, request: Request, count: int) -> ScheduledChunk:
-        """Schedule the request's next `count` tokens (cells already allocated)."""
+    def _chunk(self, request: Request, count: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
+        """Schedule the request's next `count` tokens, and `drafts` after them (cells already allocated)."""
         start = request.num_computed
         # The next token is the in-flight sample when every known token is already scheduled.
         previous = self._sampling_index[request.id] if start == len(request.tokens) else None
@@ -182,10 +232,10 @@ class Scheduler:
         if samples:
             request.num_unresolved += 1
         draw = samples and not request.spec.sampling.is_greedy
-        uniform = request.random.next_uniform() if draw else 0.0
+        uniform = request.random.uniform(request.length - 1) if draw else 0.0  # the sampled token's position
         if request.stats.first_scheduled_step is None:
             request.stats.first_scheduled_step = self.step
-        return ScheduledChunk(request.id, start, count, samples, uniform, previous)
+        return ScheduledChunk(request.id, start, count + len(drafts), samples, uniform, previous, drafts)
 
     def _admit(self, request: Request) -> None:
         """WAITING -> RUNNING, starting from the longest cached prefix of its tokens."""
@@ -249,6 +299,9 @@ class Scheduler:
         chunks = []
         for c in plan.chunks:
             request = self.requests[c.request_id]
+            if c.drafts:
+                chunks.append(_verifying_chunk(request, c))
+                continue
             if c.previous_sample is None:
                 tokens = tuple(request.tokens[c.start:c.start + c.num_tokens])
             else:
@@ -263,26 +316,45 @@ class Scheduler:
                                 c.samples and spec.grammar is not None))
         return chunks
 
-    def commit(self, plan: StepPlan, tokens: tuple[int | None, ...]) -> list[TokenEvent]:
-        """Apply a step's sampled tokens; finishes requests that hit a stop token or a length limit."""
+    def commit(self, plan: StepPlan, tokens: tuple[int | None, ...],
+               verified: tuple[tuple[int, ...] | None, ...] = ()) -> list[TokenEvent]:
+        """Apply a step's sampled tokens (and, per verifying chunk, the tokens it emits); finishes requests that
+        hit a stop token or a length limit, at the first token that does (later ones are dropped)."""
         events = []
-        for chunk, token in zip(plan.chunks, tokens):
+        for index, (chunk, token) in enumerate(zip(plan.chunks, tokens)):
             request = self.requests.get(chunk.request_id)
             if request is not None and chunk.start < request.num_prompt:
                 # Its prompt's cells so far are written: later prompts that share them start from them.
                 computed = min(request.cells.length, request.num_prompt)
                 self.prefix_cache.insert(request.id, request.tokens[:computed], request.cells.cells[:computed])
-            if request is None or token is None:
+            emitted = verified[index] if verified and verified[index] is not None else None
+            if request is None or (token is None and emitted is None):
                 continue  # finished since (its later work, if any, is simply dropped) or nothing sampled
             assert request.num_unresolved > 0, "a sample came back that was not scheduled"
             request.num_unresolved -= 1
-            request.tokens.append(token)
-            request.stats.completion_tokens += 1
-            reason = self._finish_reason(request, token)
-            events.append(TokenEvent(request.id, token, reason))
-            if reason is not None:
-                self.finish(request.id, reason)
+            if emitted is not None:
+                self._resolve_drafts(request, chunk, len(emitted) - 1)
+            for new_token in emitted if emitted is not None else (token,):
+                request.tokens.append(new_token)
+                request.stats.completion_tokens += 1
+                reason = self._finish_reason(request, new_token)
+                events.append(TokenEvent(request.id, new_token, reason))
+                if reason is not None:
+                    self.finish(request.id, reason)
+                    break
         return events
+
+    def _resolve_drafts(self, request: Request, chunk: ScheduledChunk, num_accepted: int) -> None:
+        """The accepted drafts' cells hold their tokens' K/V: count them computed; free the rejected ones' cells."""
+        request.stats.draft_tokens += len(chunk.drafts)
+        request.stats.accepted_tokens += num_accepted
+        request.stats.verify_steps += 1
+        self.num_draft_tokens += len(chunk.drafts)
+        self.num_accepted_tokens += num_accepted
+        self.num_verify_steps += 1
+        if request.status is RequestStatus.RUNNING:  # (a preempted request holds none of these cells any more)
+            request.num_computed += num_accepted
+            self.allocator.free(request.cells.truncate(request.num_computed))
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         spec = request.spec
@@ -350,6 +422,22 @@ def _prefill_priority(request: Request) -> tuple[int, ...]:
     if request.stats.preemptions:
         return (0, request.id)
     return (1, request.last_prefill_step, request.id)
+
+
+def _verifying_chunk(request: Request, chunk: ScheduledChunk) -> Chunk:
+    """The executor's chunk for a verifying decode: its pending token and drafts, and the request's draws for
+    each row's position (row j decides the token at position start + 1 + j)."""
+    spec = request.spec
+    num_rows = len(chunk.drafts) + 1
+    positions = range(chunk.start + 1, chunk.start + 1 + num_rows)
+    if spec.sampling.is_greedy:
+        accept, sample = (0.0,) * (num_rows - 1), (0.0,) * num_rows
+    else:
+        accept = tuple(request.random.uniform(p, DrawPurpose.ACCEPT) for p in positions[:-1])
+        sample = tuple(request.random.uniform(p, DrawPurpose.SAMPLE) for p in positions)
+    tokens = (request.tokens[chunk.start],) + chunk.drafts
+    return Chunk(request.cells.cells, tokens, chunk.start, spec.sampling, request_id=request.id, drafts=chunk.drafts,
+                 accept_uniforms=accept, sample_uniforms=sample)
 
 
 def _banned(request: Request) -> tuple[int, ...]:

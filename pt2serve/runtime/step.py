@@ -6,6 +6,9 @@ captured graph reads them from fixed-address slices of one buffer:
 
     [ tokens T | positions T | write_cells T | token_seq T | seq_indptr R+1 | seq_cells E | logit_rows S ]
 
+The logit rows come in three groups: each sampling chunk's last token, then every row of each verifying
+chunk (its pending token and its drafts: see verify.py), then the scored prompt rows.
+
 Each region starts on a 128-byte boundary (REGION_ALIGN elements): compiled GPU kernels assume
 aligned inputs, as the separate tensors they were traced with were.
 
@@ -57,6 +60,10 @@ class Chunk:
     Logits controls (see logits.py): `banned` tokens cannot be sampled (min_tokens); a request with penalties
     keeps token counts on the device under `request_id`, set up from `penalty_prompt` at its first sample.
     `grammar`: the sample is constrained by a grammar; its mask comes after the forward (grammar.py).
+
+    Speculation (verify.py): a chunk whose last len(drafts) tokens are `drafts` is verified, not sampled: all
+    its rows are scored, and per row `accept_uniforms` (one per draft) and `sample_uniforms` (one per row) are
+    the request's draws for the token at that row's position.
     """
 
     cells: np.ndarray  # the sequence's cells for positions 0 .. start + len(tokens) - 1
@@ -72,10 +79,18 @@ class Chunk:
     banned: tuple[int, ...] = ()
     penalty_prompt: tuple[int, ...] = ()
     grammar: bool = False
+    drafts: tuple[int, ...] = ()
+    accept_uniforms: tuple[float, ...] = ()
+    sample_uniforms: tuple[float, ...] = ()
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def is_sampled(self) -> bool:
+        """Its next token is sampled from its last row (a verifying chunk's come from the acceptance method)."""
+        return self.sampling is not None and not self.drafts
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,8 @@ class MethodCall:
     placeholders: tuple[tuple[int, int], ...] = ()
     # (chunk index, rows): logit rows after the sampled ones, each chunk's scored prompt rows, in order
     prompt_rows: tuple[tuple[int, int], ...] = ()
+    # index of each verifying chunk, in row order: its 1 + len(drafts) rows follow the sampled rows
+    verified_chunks: tuple[int, ...] = ()
 
     def device_inputs(self, device: torch.device | str) -> list[torch.Tensor]:
         """The input regions on `device`, from one copy of the packed array."""
@@ -102,11 +119,16 @@ def slice_step(chunks: list[Chunk], max_tokens: int) -> list[list[tuple[int, Chu
     """Split a step into consecutive pieces of at most `max_tokens` tokens.
 
     Each item keeps the index of the chunk it came from. A chunk cut in two asks for a token only from
-    its last part; later pieces run after earlier ones, so they see the cells the earlier ones wrote.
+    its last part; later pieces run after earlier ones, so they see the cells the earlier ones wrote. A
+    verifying chunk is never cut (its rows are judged together): it starts a new piece if it does not fit.
     """
     pieces: list[list[tuple[int, Chunk]]] = [[]]
     room = max_tokens
     for index, chunk in enumerate(chunks):
+        if chunk.drafts and len(chunk.tokens) > room:
+            assert len(chunk.tokens) <= max_tokens, "a verifying chunk wider than a step"
+            pieces.append([])
+            room = max_tokens
         start = chunk.start
         tokens, targets = chunk.tokens, chunk.prompt_targets
         while tokens:
@@ -157,10 +179,12 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_
         num_tokens, num_padding = width, width - num_real
         num_rows_seq = width
         num_entries = static_entries
-    sampled = [i for i, c in enumerate(chunks) if c.sampling is not None]
+    sampled = [i for i, c in enumerate(chunks) if c.is_sampled]
+    verified = [i for i, c in enumerate(chunks) if c.drafts]
     scored = [i for i, c in enumerate(chunks) if c.prompt_targets]
+    num_verified = sum(len(chunks[i].drafts) + 1 for i in verified)
     num_scored = sum(len(chunks[i].prompt_targets) for i in scored)
-    num_logit_rows = width if width is not None else max(2, len(sampled) + num_scored)
+    num_logit_rows = width if width is not None else max(2, len(sampled) + num_verified + num_scored)
     sizes = (num_tokens,) * 4 + (num_rows_seq + 1, num_entries, num_logit_rows)
     host = np.zeros(region_offsets(sizes)[1], dtype=np.int64)
     tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = regions(host, sizes)
@@ -184,12 +208,17 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_
     indptr[num_seqs + 1:] = entry_end
     seq_cells[entry_end:] = SCRATCH_CELL
     logit_rows[: len(sampled)] = row_ends[sampled]
+    # Then every row of each verifying chunk: its pending token's and its drafts'.
+    after = len(sampled) + num_verified
+    if verified:
+        logit_rows[len(sampled):after] = np.concatenate(
+            [np.arange(row_ends[i] - len(chunks[i].drafts), row_ends[i] + 1) for i in verified])
     # Then the scored prompt rows: a chunk's first tokens, whose next token is known (never a sampled row).
     row_starts = row_ends + 1 - counts
     scored_rows = [np.arange(len(chunks[i].prompt_targets)) + row_starts[i] for i in scored]
-    after = len(sampled) + num_scored
+    before_scored, after = after, after + num_scored
     if scored_rows:
-        logit_rows[len(sampled):after] = np.concatenate(scored_rows)
+        logit_rows[before_scored:after] = np.concatenate(scored_rows)
     logit_rows[after:] = num_tokens - 1  # extra rows: any valid token; their logits are ignored
     # A placeholder chunk is one token (a decode), so its row is its chunk's last row; its token stays 0 here.
     placeholders = tuple(
@@ -204,4 +233,5 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_
         num_tokens=num_real,
         placeholders=placeholders,
         prompt_rows=tuple((piece[i][0], len(chunks[i].prompt_targets)) for i in scored),
+        verified_chunks=tuple(piece[i][0] for i in verified),
     )

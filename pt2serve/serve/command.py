@@ -18,8 +18,11 @@ from pt2serve.runtime_flags import (
     max_decode_sequences_option,
     min_prefill_chunk_option,
     num_cells_option,
+    num_draft_tokens_option,
     prefix_cache_option,
     prefix_reuse,
+    speculate_option,
+    speculation,
     step_budget,
     token_budget_option,
 )
@@ -51,6 +54,8 @@ def serve_artifact_command(
     min_prefill_chunk: Optional[int] = min_prefill_chunk_option(),
     num_cells: Optional[int] = num_cells_option(),
     kv_memory_fraction: Optional[float] = kv_memory_fraction_option(),
+    speculate: Optional[str] = speculate_option(),
+    num_draft_tokens: Optional[int] = num_draft_tokens_option(),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="No CUDA graphs (then every step runs forward_others)."),
     api_key: Optional[str] = typer.Option(None, envvar="PT2SERVE_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
@@ -91,7 +96,7 @@ def serve_artifact_command(
         executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
         runner_config = RunnerConfig(**step_budget(token_budget, max_decode_sequences, min_prefill_chunk),
                                      **prefix_reuse(prefix_cache_enabled, session_pin_seconds),
-                                     max_sessions=max_sessions)
+                                     **speculation(speculate, num_draft_tokens), max_sessions=max_sessions)
     except Pt2ServeError as err:
         fail(str(err))
 

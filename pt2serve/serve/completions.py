@@ -69,6 +69,8 @@ def _start(runner: Runner, state: ServerState, req: GenerationRequest, arrived: 
     """Submit every choice: per prompt, its first choice computes (and with echo scores) the prompt; the
     others share its cells."""
     prompt_logprobs = req.logprobs if req.echo else None
+    # n > 1: the choices decode plainly (the first computes the prompt the others share), all alike.
+    speculate = False if len(sampling) > 1 else None
     generations = []
     try:
         for prompt_index, (ids, limit) in enumerate(zip(prompts, max_tokens)):
@@ -77,7 +79,7 @@ def _start(runner: Runner, state: ServerState, req: GenerationRequest, arrived: 
                 generation = Generation(runner, state.metrics, state.event_bridge(), arrived, prompt_index, first)
                 generations.append(generation)
                 generation.start(ids, limit, params, req.stop, req.stop_token_ids, session_id, req.ignore_eos,
-                                 req.logprobs, prompt_logprobs if first is None else None, grammar)
+                                 req.logprobs, prompt_logprobs if first is None else None, grammar, speculate)
                 first = first or generation
     except Pt2ServeError as err:
         _cancel(generations)
@@ -239,8 +241,12 @@ async def _respond(request: Request, generations: list[Generation], render: Rend
 def _usage(generations: list[Generation]) -> Usage:
     """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""
     prompts = {g.prompt_index: g.usage() for g in reversed(generations)}.values()
-    return Usage(sum(u.prompt_tokens for u in prompts), sum(g.usage().completion_tokens for g in generations),
-                 sum(u.cached_tokens for u in prompts))
+    usages = [g.usage() for g in generations]
+    speculation = None
+    if usages[0].speculation is not None:
+        speculation = sum((u.speculation for u in usages[1:]), usages[0].speculation)
+    return Usage(sum(u.prompt_tokens for u in prompts), sum(u.completion_tokens for u in usages),
+                 sum(u.cached_tokens for u in prompts), speculation)
 
 
 async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, list[StreamEvent]]]:

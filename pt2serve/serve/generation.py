@@ -18,7 +18,7 @@ from pt2serve.runtime.request import FinishReason
 from pt2serve.runtime.runner import RequestHandle, Runner, StreamEvent
 from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.serve.metrics import ServerMetrics
-from pt2serve.serve.openai_format import Usage
+from pt2serve.serve.openai_format import SpeculationUsage, Usage
 
 log = logging.getLogger("pt2serve.serve")
 
@@ -79,13 +79,15 @@ class Generation:
 
     def start(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
               stop_token_ids: tuple[int, ...], session_id: str | None, ignore_eos: bool,
-              logprobs: int | None = None, prompt_logprobs: int | None = None, grammar=None) -> None:
+              logprobs: int | None = None, prompt_logprobs: int | None = None, grammar=None,
+              speculate: bool | None = None) -> None:
         """Submit to the runner; raises Pt2ServeError for a request it refuses."""
         self.handle = self._runner.submit(
             prompt_ids, max_new_tokens=max_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
             stop_strings=stop, session_id=session_id, ignore_eos=ignore_eos, on_event=self._from_engine,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             parent=self.shares_prompt_of.handle if self.shares_prompt_of is not None else None, grammar=grammar,
+            speculate=speculate,
         )
 
     @property
@@ -98,7 +100,11 @@ class Generation:
 
     def usage(self) -> Usage:
         assert self.handle is not None
-        return Usage(len(self.handle.prompt_ids), len(self.token_ids), self.handle.stats.reused_tokens)
+        stats = self.handle.stats
+        speculation = None
+        if self._runner.drafter is not None:
+            speculation = SpeculationUsage(stats.draft_tokens, stats.accepted_tokens, stats.verify_steps)
+        return Usage(len(self.handle.prompt_ids), len(self.token_ids), stats.reused_tokens, speculation)
 
     async def event_batches(self) -> AsyncIterator[list[StreamEvent]]:
         """Events as they come, all those waiting at once in one batch; the last ends with the finish event."""

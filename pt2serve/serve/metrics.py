@@ -72,6 +72,10 @@ class _RunnerCollector(Collector):
     _COUNTERS = (
         ("pt2serve_preemptions", "Running requests whose cells were taken to make room (recomputed later).",
          "num_preemptions"),
+        ("pt2serve_spec_draft_tokens", "Speculative decoding: drafted tokens verified.", "draft_tokens"),
+        ("pt2serve_spec_accepted_tokens", "Speculative decoding: drafted tokens accepted.", "accepted_tokens"),
+        ("pt2serve_spec_verify_steps", "Speculative decoding: a request's steps that verified drafts (one per "
+         "request and step; each emits its accepted drafts plus one token).", "verify_steps"),
     )
     # torch's caching allocator on the runner's GPU; absent on the CPU, where process RSS tells the story.
     _DEVICE_MEMORY = (

@@ -15,18 +15,45 @@ FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
 
 @dataclass(frozen=True)
+class SpeculationUsage:
+    """Extension: what speculative decoding did for a response (when the server speculates)."""
+
+    draft_tokens: int  # tokens drafted and verified
+    accepted_tokens: int  # of those, accepted
+    steps: int  # steps that verified drafts
+
+    def __add__(self, other: SpeculationUsage) -> SpeculationUsage:
+        return SpeculationUsage(self.draft_tokens + other.draft_tokens, self.accepted_tokens + other.accepted_tokens,
+                                self.steps + other.steps)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "steps": self.steps,
+            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+            # tokens each verifying step emitted on average: its accepted drafts plus one
+            "mean_accepted_length": self.accepted_tokens / self.steps + 1 if self.steps else None,
+        }
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    speculation: SpeculationUsage | None = None
 
     def body(self) -> dict[str, Any]:
-        return {
+        body = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.speculation is not None:
+            body["speculation"] = self.speculation.body()
+        return body
 
 
 @dataclass

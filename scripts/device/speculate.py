@@ -1,0 +1,159 @@
+"""Speculative decoding on an artifact: what a verifying step costs, and what n-gram drafts buy on repetitive text.
+
+Usage: python scripts/device/speculate.py ARTIFACT.pt2 [--seconds S] [--num-draft-tokens K] [--json PATH]
+
+1. Verify cost: at batch 1 and 32, the median time of a step in which every sequence runs its pending token and
+   k drafts (k = 3, 7, 15; greedy acceptance on the device included), over the time of a plain decode step.
+2. n-gram drafts: each sequence's prompt is its own greedy continuation of a random seed, repeated four times
+   (text that repeats, whatever the weights), and it generates 128 more tokens; output tokens/s with
+   --speculate ngram against none, at batch 1 and 32, and the mean tokens a verifying step emitted.
+Prints one markdown table last. Parts that would run past --seconds are left out (the table says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from pt2serve.runtime.artifact import load_artifact
+from pt2serve.runtime.drafter import Speculation
+from pt2serve.runtime.executor import Executor
+from pt2serve.runtime.runner import Runner, RunnerConfig
+from pt2serve.runtime.sampling import SamplingParams
+from pt2serve.runtime.step import Chunk
+
+BATCHES = (1, 32)
+DRAFT_COUNTS = (3, 7, 15)
+CONTEXT = 64  # tokens each sequence holds before the timed steps
+TIMED_STEPS = 12
+BLOCK = 64  # tokens of the text each prompt repeats
+REPEATS = 4
+NEW_TOKENS = 128
+
+
+def step_ms(executor: Executor, sequences: list, num_drafts: int) -> tuple[float, str]:
+    """Median time of a step of 1 + num_drafts tokens per sequence (always the same positions), and its method."""
+    greedy = SamplingParams()
+    times, method = [], ""
+    for _ in range(TIMED_STEPS + 2):
+        chunks = [Chunk(cells, (7,) + (11,) * num_drafts, CONTEXT, greedy, drafts=(11,) * num_drafts)
+                  if num_drafts else Chunk(cells, (7,), CONTEXT, greedy) for cells in sequences]
+        started = time.perf_counter()
+        result = executor.step(chunks)  # ends with the ids on the host: a full sync
+        times.append(time.perf_counter() - started)
+        method = result.calls[0].method
+    times = sorted(times[2:])
+    return 1000 * times[len(times) // 2], method
+
+
+def verify_costs(executor: Executor, deadline: float) -> dict:
+    costs = {}
+    for batch in BATCHES:
+        sequences = [executor.allocator.allocate(CONTEXT + max(DRAFT_COUNTS) + 1) for _ in range(batch)]
+        executor.step([Chunk(cells, tuple(range(1, CONTEXT + 1)), 0, None) for cells in sequences])
+        for num_drafts in (0, *DRAFT_COUNTS):
+            if time.monotonic() > deadline:
+                break
+            costs[(batch, num_drafts)] = step_ms(executor, sequences, num_drafts)
+        for cells in sequences:
+            executor.allocator.free(cells)
+    return costs
+
+
+def repetitive_prompts(executor: Executor, batch: int, seed: int) -> list[list[int]]:
+    """Each prompt: a random seed and the model's greedy continuation of it, BLOCK tokens, repeated."""
+    rng = random.Random(seed)
+    vocab = executor.artifact.metadata.vocab_size
+    seeds = [[rng.randrange(vocab) for _ in range(8)] for _ in range(batch)]
+    runner = Runner(executor, None, RunnerConfig())
+    try:
+        handles = [runner.submit(s, max_new_tokens=BLOCK - len(s), ignore_eos=True) for s in seeds]
+        blocks = [s + h.result().token_ids for s, h in zip(seeds, handles)]
+    finally:
+        runner.close()
+    return [block * REPEATS for block in blocks]
+
+
+def generate(executor: Executor, prompts: list[list[int]], config: RunnerConfig) -> dict:
+    runner = Runner(executor, None, config)
+    try:
+        runner.generate(prompts[0][:8], max_new_tokens=4, ignore_eos=True)  # warm up
+        runner.clear_prefix_cache()
+        before = runner.scheduler.num_accepted_tokens, runner.scheduler.num_verify_steps
+        started = time.perf_counter()
+        handles = [runner.submit(p, max_new_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts]
+        tokens = sum(len(h.result().token_ids) for h in handles)
+        seconds = time.perf_counter() - started
+        accepted = runner.scheduler.num_accepted_tokens - before[0]
+        steps = runner.scheduler.num_verify_steps - before[1]
+    finally:
+        runner.close()
+    return {"tokens_per_second": tokens / seconds, "seconds": seconds,
+            "tokens_per_verify_step": accepted / steps + 1 if steps else None, "verify_steps": steps}
+
+
+def ngram_runs(executor: Executor, num_draft_tokens: int, deadline: float) -> dict:
+    runs = {}
+    for batch in BATCHES:
+        if time.monotonic() > deadline:
+            break
+        prompts = repetitive_prompts(executor, batch, seed=batch)
+        for name, config in (("none", RunnerConfig()),
+                             ("ngram", RunnerConfig(speculate=Speculation.NGRAM, num_draft_tokens=num_draft_tokens))):
+            if time.monotonic() > deadline:
+                break
+            runs[(batch, name)] = generate(executor, prompts, config)
+    return runs
+
+
+def table(costs: dict, runs: dict, num_draft_tokens: int, device: str) -> str:
+    lines = [f"| {device} | batch 1 | batch 32 |", "|---|---|---|"]
+    for num_drafts in (0, *DRAFT_COUNTS):
+        label = "plain decode step" if not num_drafts else f"verify step, k = {num_drafts}"
+        cells = []
+        for batch in BATCHES:
+            if (batch, num_drafts) not in costs:
+                cells.append("(not run)")
+                continue
+            ms, method = costs[(batch, num_drafts)]
+            base = costs[(batch, 0)][0]
+            cells.append(f"{ms:.2f} ms ({method})" if not num_drafts else f"{ms / base:.2f}x, {ms:.2f} ms ({method})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    cells = []
+    for batch in BATCHES:
+        plain, ngram = runs.get((batch, "none")), runs.get((batch, "ngram"))
+        if plain is None or ngram is None:
+            cells.append("(not run)")
+            continue
+        per_step = ngram["tokens_per_verify_step"]
+        cells.append(f"{ngram['tokens_per_second']:,.0f} vs {plain['tokens_per_second']:,.0f} tok/s "
+                     f"({ngram['tokens_per_second'] / plain['tokens_per_second']:.2f}x), "
+                     + (f"{per_step:.2f} tokens per verify step" if per_step else "no drafts"))
+    lines.append(f"| n-gram k = {num_draft_tokens} vs none, repetitive prompts | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("artifact")
+    parser.add_argument("--seconds", type=float, default=170.0)
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    started = time.monotonic()
+    executor = Executor(load_artifact(args.artifact))
+    # Verify costs first (a few seconds), then the generation runs with what is left.
+    costs = verify_costs(executor, started + args.seconds / 3)
+    runs = ngram_runs(executor, args.num_draft_tokens, started + args.seconds * 0.6)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"verify_ms": {f"batch{b}_k{k}": v for (b, k), v in costs.items()},
+                       "ngram": {f"batch{b}_{name}": v for (b, name), v in runs.items()}}, file, indent=1)
+    print(f"total seconds: {time.monotonic() - started:.0f}")
+    print(table(costs, runs, args.num_draft_tokens, str(executor.device)))
+
+
+if __name__ == "__main__":
+    main()
