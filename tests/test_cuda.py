@@ -15,7 +15,7 @@ import torch
 from conftest import TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS, exported
 from pt2serve.errors import Pt2ServeError
 from pt2serve.export.options import ExportOptions
-from pt2serve.model.presets import toy_greedy_continuation
+from pt2serve.model.presets import toy_greedy_continuation, toy_successor
 from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.cells import allocate_kv_pools, cells_that_fit
 from pt2serve.runtime.engine import describe_load, open_runner
@@ -148,7 +148,10 @@ def test_speculation_through_captured_graphs_gives_the_designed_tokens(cuda_arti
     try:
         cycle = [5] + toy_greedy_continuation([5], 69)
         handles = [runner.submit(cycle[i:], max_new_tokens=40) for i in range(3)]
-        handles += [runner.submit([1 + i, 2, 3, 1 + i, 2], max_new_tokens=40) for i in range(3)]  # drafts that miss
+        for x in (10, 11, 12):  # the first sample, toy_successor(x), appears earlier followed by a wrong token
+            first = toy_successor(x)
+            wrong = (toy_successor(first) + 1) % 256
+            handles.append(runner.submit([first, wrong, wrong, wrong, x], max_new_tokens=40))  # drafts that miss
         for handle in handles:
             result = handle.result(timeout=120)
             assert result.token_ids == toy_greedy_continuation(handle.prompt_ids, 40)
