@@ -297,7 +297,7 @@ def test_requests_cli_poisson_in_process(tiny_artifact, tmp_path):
 
 
 CHAT = ["--workload", "chat", "--requests", "4", "--turns", "3", "--system-tokens", "60", "--prompt-tokens", "12",
-        "--max-new-tokens", "6", "--stagger-ms", "2"]
+        "--max-new-tokens", "6", "--stagger-ms", "50"]
 
 
 def chat_turns(doc: dict) -> dict[tuple[int, int], dict]:
@@ -316,12 +316,16 @@ def test_chat_workload_reuses_the_system_prompt_and_every_earlier_turn(tiny_arti
     assert s["ttft_first_turns_seconds"]["count"] == 4 and s["ttft_later_turns_seconds"]["count"] == 8
     turns = chat_turns(doc)
     system = 60  # at least: the template wraps the shared system prompt in more tokens
+    computed = turns[0, 0]["first_token"]  # the first conversation's system prompt is in the cache from here on
+    later_starts = 0
     for (conversation, turn), r in turns.items():
         if turn:  # everything the turn before it sent is reused (the reply after it came back as text)
             assert r["cached_tokens"] >= turns[conversation, turn - 1]["prompt_tokens"]
             assert r["arrival"] >= turns[conversation, turn - 1]["end"]
-        elif conversation:  # a later conversation starts from the system prompt the first one computed
+        elif conversation and r["submit"] >= computed:  # a later conversation starts from that system prompt
             assert r["cached_tokens"] >= system
+            later_starts += 1
+    assert later_starts, "no conversation started after the first one's prompt was computed"
     cold = tmp_path / "cold.json"
     assert cli(str(tiny_artifact), "--mode", "requests", *CHAT, "--no-prefix-cache", "--json", str(cold)).exit_code == 0
     s_cold = json.loads(cold.read_text())["summary"]
