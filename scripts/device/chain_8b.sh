@@ -6,6 +6,7 @@
 #   quant-kernels  the int8/int4 linear kernels on the 8B shapes (quiet GPU: timings)
 #   serving        scripts/device/serving_8b.sh (in process, HTTP, request rates, token budgets)
 #   prefix         scripts/device/prefix_reuse.sh on the 8B (multi-turn chat, prefix cache on and off)
+#   speculate      scripts/device/speculate.sh (verify cost for k = 3, 7, 15; n-gram against none)
 #   soak           scripts/device/soak_8b.sh (10 minutes), and beside it the checks whose timings do not count:
 #   api            scripts/device/api_check.sh (tiny, fp32: device logprobs, penalties, n, grammar)
 #   quant-toy      toy-greedy int8 / int4 method and width checks (quant_8b.sh step 2)
@@ -13,7 +14,7 @@
 # packs /tmp/chain into $OUT/chain.tar.gz.
 set -uo pipefail
 CHAIN=/tmp/chain
-STEPS=(export quant-kernels serving prefix soak api quant-toy)
+STEPS=(export quant-kernels serving prefix speculate soak api quant-toy)
 
 if [ "${1:-}" = "--poll" ]; then
   for step in "${STEPS[@]}"; do
@@ -52,6 +53,7 @@ run export export_8b
 run quant-kernels env STEPS=1 scripts/device/quant_8b.sh
 run serving scripts/device/serving_8b.sh
 run prefix scripts/device/prefix_reuse.sh
+run speculate scripts/device/speculate.sh
 run soak scripts/device/soak_8b.sh &
 soak=$!
 sleep 120   # the soak's server is up and past its warm-up before the side checks start
