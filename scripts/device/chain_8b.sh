@@ -29,10 +29,8 @@ fi
 mkdir -p "$CHAIN" && rm -rf "$CHAIN/repo" && cp -r "$PWD" "$CHAIN/repo" && cd "$CHAIN/repo" || exit 1
 export CXX=/usr/bin/g++   # the image's default g++ carries its own libstdc++, and loading then segfaults
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PRESET=llama-3.1-8b ARTIFACT=/tmp/model.pt2
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source scripts/device/server_wheels.sh
+export PYTHONPATH=$PYTHONPATH${SERVER_SITE:+:$SERVER_SITE}
 
 run() {  # NAME COMMAND...: one step, its output in $CHAIN/NAME.log and its own $OUT
   local name=$1 start; shift

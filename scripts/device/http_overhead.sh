@@ -14,11 +14,7 @@ PORT=${PORT:-8331}
 OUT=$(mkdir -p "${OUT:-/tmp/pt2serve-out}" && cd "${OUT:-/tmp/pt2serve-out}" && pwd)
 WORKLOAD=(--mode requests --requests "${REQUESTS:-64}" --prompt-tokens "${PROMPT_TOKENS:-512}"
           --max-new-tokens "${NEW_TOKENS:-128}" --timeout 120)
-SITE=""
-if [ -d .whl ]; then
-  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  SITE=:/tmp/site
-fi
+source scripts/device/server_wheels.sh
 
 if [ ! -f "$ARTIFACT" ]; then
   PYTHONPATH=$PWD python3 -m pt2serve.cli export --backend "${BACKEND:-cuda}" --use-offgraph-kv-cache --preset "$PRESET" \
@@ -27,7 +23,7 @@ fi
 
 runs() (  # LABEL ROOT: in process, then through a server, with the code under ROOT (python -m puts the
   local label=$1 server   # working directory first on the path, so run from ROOT)
-  cd "$2" && export PYTHONPATH=$2$SITE
+  cd "$2" && export PYTHONPATH=$2${SERVER_SITE:+:$SERVER_SITE}
   python3 -m pt2serve.cli bench "$ARTIFACT" "${WORKLOAD[@]}" --json "$OUT/$label-in-process.json" | tail -4
   python3 -m pt2serve.cli serve-artifact "$ARTIFACT" --host 127.0.0.1 --port "$PORT" > "$OUT/$label-server.log" 2>&1 &
   server=$!

@@ -22,10 +22,8 @@ rm -f "$OUT"/in-process-*.json "$OUT/http-default.json" "$OUT/server.log"  # the
 REQUESTS=${REQUESTS:-64} PROMPT_TOKENS=${PROMPT_TOKENS:-512} NEW_TOKENS=${NEW_TOKENS:-128}
 WORKLOAD=(--mode requests --requests "$REQUESTS" --prompt-tokens "$PROMPT_TOKENS" --max-new-tokens "$NEW_TOKENS")
 
-if [ -d .whl ]; then
-  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source scripts/device/server_wheels.sh
+export PYTHONPATH=$PYTHONPATH${SERVER_SITE:+:$SERVER_SITE}
 
 if [ -f "$ARTIFACT" ]; then
   echo "reusing $ARTIFACT"
