@@ -327,7 +327,7 @@ class Scheduler:
                 # Its prompt's cells so far are written: later prompts that share them start from them.
                 computed = min(request.cells.length, request.num_prompt)
                 self.prefix_cache.insert(request.id, request.tokens[:computed], request.cells.cells[:computed])
-            emitted = verified[index] if verified and verified[index] is not None else None
+            emitted = verified[index] if verified else None
             if request is None or (token is None and emitted is None):
                 continue  # finished since (its later work, if any, is simply dropped) or nothing sampled
             assert request.num_unresolved > 0, "a sample came back that was not scheduled"
