@@ -8,6 +8,7 @@ after changing model or export code).
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 from typing import Callable
@@ -148,6 +149,27 @@ def assert_only_the_cache_holds_cells(runner, timeout_s: float = 30) -> None:
         time.sleep(0.01)
     time.sleep(0.05)  # the engine refreshes its stats after draining commands
     assert runner.stats.cells_used == runner.stats.prefix_cache_cells
+
+
+def random_prompts(count: int, seed: int = 0, max_length: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(1, max_length))] for _ in range(count)]
+
+
+def sampled_alone_and_in_a_batch(runner, prompt: list[int], max_new_tokens: int, sampling,
+                                 others: list[list[int]]) -> tuple[list[int], list[int]]:
+    """A sampled request's tokens run alone, then again submitted among `others` (each sampled with its own
+    seed), once all have finished."""
+    from pt2serve.runtime.sampling import SamplingParams
+
+    alone = runner.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=True)
+    handles = [runner.submit(p, max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=1.0, seed=i),
+                             ignore_eos=True) for i, p in enumerate(others)]
+    batched = runner.submit(prompt, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=True)
+    batched_ids = batched.result(timeout=60).token_ids
+    for handle in handles:
+        handle.result(timeout=60)
+    return alone.token_ids, batched_ids
 
 
 def served(runner, model_name: str):

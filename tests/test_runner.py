@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import assert_only_the_cache_holds_cells, stop_at_token
+from conftest import assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch, stop_at_token
 from pt2serve.model.presets import toy_greedy_continuation
 from pt2serve.runtime.engine import describe_load, open_runner
 from pt2serve.runtime.executor import ExecutorConfig
@@ -34,11 +34,6 @@ def wait_until_idle(runner, timeout: float = 10.0) -> None:
     time.sleep(0.05)  # the engine refreshes its stats after draining commands
 
 
-def prompts(count: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randint(1, 90))] for _ in range(count)]
-
-
 def test_load_report_says_how_steps_run(toy_runner, toy_artifact):
     line = describe_load(toy_runner)
     assert "KV pool 4.2 MB for 4,096 tokens (as asked)" in line and "every step runs forward_others" in line
@@ -50,7 +45,7 @@ def test_load_report_says_how_steps_run(toy_runner, toy_artifact):
 
 
 def test_staggered_requests_match_their_solo_tokens_and_batch(toy_runner):
-    batch = prompts(16)
+    batch = random_prompts(16)
     first_step = toy_runner.scheduler.step
     handles = []
     # Arrivals 1 ms apart, each request 120 steps long: they overlap however fast a step is.
@@ -72,16 +67,11 @@ def test_staggered_requests_match_their_solo_tokens_and_batch(toy_runner):
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_runner):
     sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     prompt = [256, 10, 20, 30, 40]
-    alone = tiny_runner.generate(prompt, max_new_tokens=20, sampling=sampling, ignore_eos=True)
-    others = [tiny_runner.submit(p, max_new_tokens=20, sampling=SamplingParams(temperature=1.0, seed=i),
-                                 ignore_eos=True) for i, p in enumerate(prompts(6, seed=5))]
-    batched = tiny_runner.submit(prompt, max_new_tokens=20, sampling=sampling, ignore_eos=True)
-    assert batched.result(timeout=60).token_ids == alone.token_ids
-    for handle in others:
-        handle.result(timeout=60)
+    alone, batched = sampled_alone_and_in_a_batch(tiny_runner, prompt, 20, sampling, random_prompts(6, seed=5))
+    assert batched == alone
     different_seed = tiny_runner.generate(prompt, max_new_tokens=20, ignore_eos=True,
                                           sampling=SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99))
-    assert different_seed.token_ids != alone.token_ids
+    assert different_seed.token_ids != alone
 
 
 def test_a_continuation_prefills_only_its_new_suffix_with_or_without_a_session(toy_runner):
@@ -196,7 +186,7 @@ def test_two_hundred_mixed_requests_leave_the_pool_empty(toy_artifact):
     try:
         rng = random.Random(7)
         handles = []
-        batch = prompts(200, seed=11)
+        batch = random_prompts(200, seed=11)
         for prompt in batch:
             sampling = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(99))
             handle = runner.submit(prompt, max_new_tokens=rng.randint(1, 12), sampling=sampling)
@@ -224,7 +214,7 @@ def test_requests_preempted_while_decoding_produce_their_solo_tokens(toy_artifac
     runner = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=400),
                          runner_config=RunnerConfig(token_budget=64))
     try:
-        batch = prompts(24, seed=3)
+        batch = random_prompts(24, seed=3)
         batch = [p[:10] for p in batch]
         handles = [runner.submit(p, max_new_tokens=60) for p in batch]
         results = [h.result(timeout=300) for h in handles]
@@ -317,7 +307,7 @@ def test_the_next_step_is_launched_before_the_last_ones_ids_are_read(toy_artifac
     executor = RecordingExecutor(Executor(load_artifact(toy_artifact), CELLS))
     runner = Runner(executor, config=RunnerConfig(token_budget=64))
     try:
-        batch = prompts(6, seed=3)
+        batch = random_prompts(6, seed=3)
         handles = [runner.submit(p, max_new_tokens=12) for p in batch]
         for handle, prompt in zip(handles, batch):
             assert handle.result(timeout=300).token_ids == toy_greedy_continuation(prompt, 12)

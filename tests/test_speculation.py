@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from conftest import assert_only_the_cache_holds_cells
+from conftest import assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.presets import toy_greedy_continuation
 from pt2serve.runtime.cells import CellAllocator
@@ -50,11 +50,6 @@ class RandomDrafter:
         return tuple(self.rng.randrange(VOCAB) for _ in range(self.rng.randint(0, max_drafts)))
 
 
-def prompts(count: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(count)]
-
-
 def speculating_runner(artifact, drafter, num_draft_tokens: int = 4, cells=CELLS, token_budget: int = 64):
     return open_runner(artifact, executor_config=cells, drafter=drafter,
                        runner_config=RunnerConfig(token_budget=token_budget, num_draft_tokens=num_draft_tokens))
@@ -73,7 +68,7 @@ def toy_truth(tokens, count):
 def test_greedy_tokens_are_the_targets_for_any_drafts(toy_artifact, drafter, num_draft_tokens):
     runner = speculating_runner(toy_artifact, drafter, num_draft_tokens)
     try:
-        batch = prompts(12, seed=num_draft_tokens)
+        batch = random_prompts(12, seed=num_draft_tokens, max_length=40)
         # Every third request decodes plainly, in the same steps as the speculating ones.
         handles = [runner.submit(p, max_new_tokens=50, speculate=False if i % 3 == 0 else None)
                    for i, p in enumerate(batch)]
@@ -99,7 +94,7 @@ def test_greedy_tokens_are_the_targets_for_any_drafts(toy_artifact, drafter, num
 
 def test_tiny_greedy_output_is_unchanged_by_speculation(tiny_artifact):
     """On random weights (ties and near-ties included) the emitted tokens are those of plain decoding."""
-    batch = prompts(8, seed=7)
+    batch = random_prompts(8, seed=7, max_length=40)
     plain = open_runner(tiny_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
     try:
         expected = {tuple(p): plain.generate(p, max_new_tokens=40, ignore_eos=True).token_ids for p in batch}
@@ -129,7 +124,7 @@ def test_preemption_while_a_verify_step_is_in_flight_keeps_the_tokens(toy_artifa
     runner = speculating_runner(toy_artifact, ContinuationDrafter(toy_truth, corrupt=0.2, seed=5), 6,
                                 cells=ExecutorConfig(num_cells=600))
     try:
-        batch = prompts(24, seed=8)
+        batch = random_prompts(24, seed=8, max_length=40)
         handles = [runner.submit(p, max_new_tokens=60) for p in batch]
         for prompt, handle in zip(batch, handles):
             assert handle.result(timeout=180).token_ids == toy_greedy_continuation(prompt, 60)
@@ -164,13 +159,9 @@ def test_seeded_sampling_repeats_alone_and_in_a_batch(tiny_artifact):
     runner = open_runner(tiny_artifact, executor_config=CELLS,
                          runner_config=RunnerConfig(token_budget=64, speculate=Speculation.NGRAM, num_draft_tokens=4))
     try:
-        alone = runner.generate(prompt, max_new_tokens=30, sampling=sampling, ignore_eos=True)
-        others = [runner.submit(p, max_new_tokens=30, sampling=SamplingParams(temperature=1.0, seed=i),
-                                ignore_eos=True) for i, p in enumerate(prompts(6, seed=5))]
-        batched = runner.submit(prompt, max_new_tokens=30, sampling=sampling, ignore_eos=True)
-        assert batched.result(timeout=60).token_ids == alone.token_ids
-        for handle in others:
-            handle.result(timeout=60)
+        others = random_prompts(6, seed=5, max_length=40)
+        alone, batched = sampled_alone_and_in_a_batch(runner, prompt, 30, sampling, others)
+        assert batched == alone
         assert runner.stats.verify_steps > 0
         assert_only_the_cache_holds_cells(runner)
     finally:
