@@ -87,6 +87,11 @@ def export_command(
     quantize_embedding: bool = typer.Option(
         False, "--quantize-embedding", help="Quantize the input embedding too (with tied embeddings: the shared matrix)."
     ),
+    tune_matmuls: bool = typer.Option(
+        True, "--tune-matmuls/--no-tune-matmuls",
+        help="cuda: time the small-step matmul kernels against cuBLAS for each weight shape and static width, "
+             "and build each method with the faster (recorded in the metadata; nothing is tuned at load).",
+    ),
 ) -> None:
     """Trace a model and compile it into one multi-method .pt2 package."""
     from pt2serve.export.exporter import export
@@ -102,7 +107,7 @@ def export_command(
         forward_sizes=parse_sizes(forward_sizes), max_step_tokens=max_step_tokens, max_cells=max_cells,
         max_context=max_context, graph_entries=graph_entries, min_prefill_chunk=min_prefill_chunk, jobs=jobs,
         device_index=device_index, quantize=quantize, group_size=group_size, quantize_lm_head=quantize_lm_head,
-        quantize_embedding=quantize_embedding, revision=revision, hf_token=hf_token,
+        quantize_embedding=quantize_embedding, tune_matmuls=tune_matmuls, revision=revision, hf_token=hf_token,
     )
     try:
         summary = export(options)
@@ -149,6 +154,7 @@ def inspect_command(
         ("methods", ", ".join(meta["methods"])),
         ("weights", f"{len(meta['weights'])} tensors"),
         ("quantization", describe_quantization_record(meta.get("quantization"))),
+        ("small-step matmuls", describe_linear_kernels(meta.get("linear_kernels"))),
         ("tokenizer", "yes" if meta.get("tokenizer") else "no (token ids only)"),
         ("built with", f"torch {built['torch']}, cuda {built['cuda']}, {built.get('gpu_arch') or 'cpu'}"),
         ("content hash", meta["content_hash"]),
@@ -156,6 +162,16 @@ def inspect_command(
     for key, value in rows:
         table.add_row(key, str(value))
     console.print(table)
+
+
+def describe_linear_kernels(record: dict | None) -> str:
+    """One line for `inspect`: how many timed shapes took a Triton kernel, and a step's matmuls each way."""
+    if record is None:
+        return "cuBLAS (not tuned)"
+    timings = record["timings"]
+    widths = "; ".join(f"M={width}: {ms['cublas']:.2f} -> {ms['chosen']:.2f} ms"
+                       for width, ms in record["step_matmuls_ms"].items())
+    return f"Triton kernel for {len(record['choices'])} of {len(timings)} shape x width; cuBLAS -> chosen: {widths}"
 
 
 def describe_quantization_record(record: dict | None) -> str:

@@ -19,6 +19,7 @@ import torch._inductor
 
 from pt2serve.contract import ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED
 from pt2serve.export.methods import MethodSpec, trace_acceptor, trace_forward, trace_sampler
+from pt2serve.kernels.linear_choice import LinearChoices, using
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.model import Transformer
@@ -38,6 +39,7 @@ class CompileJob:
     max_cells: int
     attention: AttentionImpl
     quantize: QuantScheme | None = None
+    linear_choices: dict | None = None  # LinearChoices.to_dict(): the small-M kernels the export chose
 
 
 def inductor_options() -> dict:
@@ -75,7 +77,8 @@ def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, li
     if model is None:
         model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.attention, job.quantize)
     if job.spec.name.startswith("forward"):
-        program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)
+        with using(LinearChoices.from_dict(job.linear_choices or {})):
+            program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)
     elif job.spec.name in (ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED):
         program, args = trace_acceptor(job.spec, model.config.vocab_size, job.device)
     else:

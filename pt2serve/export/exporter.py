@@ -13,10 +13,12 @@ from tqdm import tqdm
 import pt2serve
 from pt2serve.contract import FORMAT_VERSION, internal_model_name
 from pt2serve.export.compile import CompileJob, compile_all
+from pt2serve.export.linear_tuning import describe, tune
 from pt2serve.export.methods import method_specs
 from pt2serve.export.options import ExportOptions
 from pt2serve.export.toolchain import libstdcxx_mismatch, warn_about
 from pt2serve.export.package import weight_entries, weights_hash, write_package
+from pt2serve.kernels.linear_choice import LinearChoices
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.hub import resolve_checkpoint
 from pt2serve.model.model import Transformer
@@ -47,10 +49,15 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     )
     config, model, tokenizer = loaded.config, loaded.model, loaded.tokenizer
     max_context = options.validate_for_model(config.max_position_embeddings)
+    choices, tuning = LinearChoices({}), None
+    if options.backend == "cuda" and options.tune_matmuls:
+        choices, timings = tune(model, options.forward_sizes, show_progress)
+        tuning = describe(model, timings) | {"choices": choices.to_dict()}
     specs = method_specs(options.forward_sizes, lambda width: options.entries_for(width, max_context))
     jobs = [
         CompileJob(spec, checkpoint, options.preset, options.torch_dtype, options.device,
-                   options.max_step_tokens, options.max_cells, options.attention_impl, options.quant_scheme)
+                   options.max_step_tokens, options.max_cells, options.attention_impl, options.quant_scheme,
+                   choices.to_dict())
         for spec in specs
     ]
     internal = {spec.name: internal_model_name(i) for i, spec in enumerate(specs)}
@@ -76,6 +83,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
         metadata["source"] = resolved.source
     metadata["built_with"]["libstdcxx_mismatch"] = mismatch
     metadata["quantization"] = describe_quantization(model, loaded.quantization_method)
+    metadata["linear_kernels"] = tuning
     write_package(options.output, aoti_files, weights, metadata, tokenizer.tokenizer_json if tokenizer else None)
     return ExportSummary(
         methods=tuple(spec.name for spec in specs),

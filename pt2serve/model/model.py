@@ -16,8 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pt2serve.kernels.linear_choice import linear, swiglu_linear
 from pt2serve.model.attention import AttentionImpl, StepAttention
 from pt2serve.model.config import ModelConfig, RopeScaling
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul takes the kernel the export chose for its shape and the step's width."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -66,8 +74,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -98,11 +106,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if type(self.gate_up_proj) is Linear:
+            return self.down_proj(swiglu_linear(x, self.gate_up_proj.weight))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # quantized: its own operator
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -133,7 +143,7 @@ def stacked_projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ..
 class Embedding(nn.Embedding):
     def attend(self, x: torch.Tensor) -> torch.Tensor:
         """The tied LM head: logits of x against every token's embedding."""
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class Transformer(nn.Module):
@@ -147,7 +157,7 @@ class Transformer(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )

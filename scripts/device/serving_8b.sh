@@ -14,9 +14,9 @@ export CXX=/usr/bin/g++   # the image's default g++ carries its own libstdc++, a
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PRESET=${PRESET:-llama-3.1-8b}
 ARTIFACT=${ARTIFACT:-/tmp/model.pt2}
-BUDGETS=${BUDGETS:-512 1024 2048 4096}
+BUDGETS=${BUDGETS-512 1024 2048 4096}   # empty: none
 PORT=${PORT:-8321}
-RATES=${RATES:-8,16,32,64}   # offered request rates (Poisson) for the saturation sweep through the server
+RATES=${RATES-8,16,32,64}   # offered request rates (Poisson) for the saturation sweep through the server; empty: none
 OUT=${OUT:-/tmp/pt2serve-out}; mkdir -p "$OUT"
 rm -f "$OUT"/in-process-*.json "$OUT/http-default.json" "$OUT/server.log"  # the table shows this run's only
 REQUESTS=${REQUESTS:-64} PROMPT_TOKENS=${PROMPT_TOKENS:-512} NEW_TOKENS=${NEW_TOKENS:-128}
@@ -61,7 +61,7 @@ cat "$OUT/server.log"
 if grep -q "(ready)" "$OUT/server.log"; then
   echo "serve-artifact ready after $(( $(date +%s) - launched )) s (launch to ready: weights, pool, graphs)"
   run_bench http-default --url "http://127.0.0.1:$PORT"
-  run_bench http-rates --url "http://127.0.0.1:$PORT" --request-rates "$RATES"
+  [ -n "$RATES" ] && run_bench http-rates --url "http://127.0.0.1:$PORT" --request-rates "$RATES"
 fi
 kill -INT "$server" 2>/dev/null; wait "$server" 2>/dev/null
 
