@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pt2serve.kernels import rope_store  # noqa: F401  (registers torch.ops.pt2serve.rope_and_store)
 from pt2serve.kernels.linear_choice import linear, swiglu_linear
 from pt2serve.model.attention import AttentionImpl, StepAttention
 from pt2serve.model.config import ModelConfig, RopeScaling
@@ -90,7 +91,23 @@ class Attention(nn.Module):
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        qkv = self.qkv_proj(x)
+        if attend.impl is AttentionImpl.KERNEL:  # GPU artifacts: norms, rope and the K/V write in one kernel
+            q = torch.ops.pt2serve.rope_and_store(
+                qkv, cos, sin, write_cells, k_pool, v_pool,
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None,
+                self.q_norm.eps if self.q_norm is not None else 0.0, self.num_heads, self.num_kv_heads,
+            )
+        else:
+            q = self._rope_and_store(qkv, cos, sin, write_cells, k_pool, v_pool)
+        out = attend(q, k_pool, v_pool)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _rope_and_store(self, qkv, cos, sin, write_cells, k_pool, v_pool) -> torch.Tensor:
+        """The plain path (and the reference of kernels/rope_store.py): q [T, H, D], k and v into the cells."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -99,8 +116,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_pool.index_copy_(0, write_cells, k.to(k_pool.dtype))
         v_pool.index_copy_(0, write_cells, v.to(v_pool.dtype))
-        out = attend(q, k_pool, v_pool)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return q
 
 
 class MLP(nn.Module):
