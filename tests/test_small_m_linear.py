@@ -208,12 +208,12 @@ def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkey
             times += [1.0] + ([0.99] * (count - 1) + [0.5] if width == 1 else [0.99] * count)
     fake = iter(times)
 
-    def run_and_time(calls) -> float:
-        calls()
+    def run_and_time(work, replays) -> float:
+        work()
         return next(fake)
 
     monkeypatch.setattr(linear_tuning, "ROTATION_BYTES", 1)  # one copy of each weight
-    monkeypatch.setattr(linear_tuning, "graph_ms", run_and_time)
+    monkeypatch.setattr(linear_tuning, "graph_replay_ms", run_and_time)
     choices, timings = linear_tuning.tune(model, widths + (128,), show_progress=False)  # 128: no static kernel
     assert next(fake, None) is None  # every candidate was timed
     assert [(t.shape, t.width) for t in timings] == [(s, w) for s in shapes for w in widths]

@@ -13,14 +13,13 @@ copies: back to back in a graph, as the methods run them, with no launch cost be
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from pt2serve.kernels.graph_timing import graph_replay_ms
 from pt2serve.kernels.linear_choice import SMALL_M_MAX, LaunchConfig, LinearChoices, candidates, choice_key
 from pt2serve.model.model import Embedding, Linear, Transformer
 
@@ -125,37 +124,17 @@ def _time_shape(shape: MatmulShape, width: int, weights: list[torch.Tensor], dev
             out = torch.mul(gate, up)
         return out
 
-    cublas_ms = graph_ms(lambda: [cublas(w) for w in weights]) / len(weights)
+    cublas_ms = graph_replay_ms(lambda: [cublas(w) for w in weights], REPLAYS) / len(weights)
     best, best_ms = None, float("inf")
     for config in candidates(width, swiglu):
         try:
-            ms = graph_ms(lambda: [small_m_linear.launch(x, w, swiglu, config) for w in weights]) / len(weights)
+            work = lambda: [small_m_linear.launch(x, w, swiglu, config) for w in weights]  # noqa: E731
+            ms = graph_replay_ms(work, REPLAYS) / len(weights)
         except Exception:  # a config this GPU cannot run (registers, shared memory): not a candidate here
             continue
         if ms < best_ms:
             best, best_ms = config, ms
     return Timing(shape, width, dtype, cublas_ms, best, best_ms)
-
-
-def graph_ms(calls: Callable[[], object]) -> float:
-    """Median time of one replay of a CUDA graph of `calls` (warmed up first: compiles are not captured)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def describe(model: Transformer, timings: list[Timing]) -> dict:

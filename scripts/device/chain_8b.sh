@@ -8,7 +8,6 @@
 #   sweep       bench sweep of decode widths and two wide steps, then the kernel profile of T = 1, 32, 64
 #   matmuls     scripts/device/matmul_floor.py: a step's weight matmuls, cuBLAS vs the chosen kernels vs floor
 #   serving     scripts/device/serving_8b.sh, in process and through HTTP (with launch-to-ready) only
-#   speculate   scripts/device/speculate.sh (verify cost for k = 3, 7, 15; n-gram against none)
 #   soak        scripts/device/soak_8b.sh (10 minutes), and beside it the checks whose timings do not count:
 #   cuda-tests  the tests marked cuda (scripts/device/cuda_tests.sh)
 #   tuned-small toy-greedy (bf16) and llama-3.2-1b (fp32) exported with tuned kernels: width and method checks
@@ -16,7 +15,7 @@
 # packs /tmp/chain into $OUT/chain.tar.gz.
 set -uo pipefail
 CHAIN=/tmp/chain
-STEPS=(export method-8b sweep matmuls serving speculate soak cuda-tests tuned-small)
+STEPS=(export method-8b sweep matmuls serving soak cuda-tests tuned-small)
 
 if [ "${1:-}" = "--poll" ]; then
   for step in "${STEPS[@]}"; do
@@ -72,7 +71,6 @@ run method-8b timeout 300 python3 scripts/device/method_check.py "$ARTIFACT" "$P
 run sweep sweep
 run matmuls timeout 180 python3 scripts/device/matmul_floor.py "$ARTIFACT" "$PRESET"
 run serving env RATES= BUDGETS= scripts/device/serving_8b.sh
-run speculate scripts/device/speculate.sh
 run soak scripts/device/soak_8b.sh &
 soak=$!
 sleep 120   # the soak's server is up and past its warm-up before the side checks start

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from pt2serve.bench.roofline import measure_limits
-from pt2serve.export.linear_tuning import MatmulShape, graph_ms
+from pt2serve.export.linear_tuning import MatmulShape
+from pt2serve.kernels.graph_timing import graph_replay_ms
 from pt2serve.kernels import small_m_linear
 from pt2serve.kernels.linear_choice import LinearChoices
 from pt2serve.model.presets import CONFIGS
@@ -66,8 +67,8 @@ def main() -> None:
             x = inputs[shape.cols]
             config = choices.lookup(shape.kind, x, weight)
             calls.append((shape.kind, x, weight, config))
-        cublas_ms = graph_ms(lambda: [cublas(x, w, kind) for kind, x, w, _ in calls])
-        chosen_ms = graph_ms(lambda: [
+        cublas_ms = graph_replay_ms(lambda: [cublas(x, w, kind) for kind, x, w, _ in calls])
+        chosen_ms = graph_replay_ms(lambda: [
             cublas(x, w, kind) if config is None else small_m_linear.launch(x, w, kind == "swiglu", config)
             for kind, x, w, config in calls
         ])
