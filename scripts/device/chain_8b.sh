@@ -10,7 +10,8 @@
 #   serving     scripts/device/serving_8b.sh, in process and through HTTP (with launch-to-ready) only
 #   soak        scripts/device/soak_8b.sh (10 minutes), and beside it the checks whose timings do not count:
 #   cuda-tests  the tests marked cuda (scripts/device/cuda_tests.sh)
-#   tuned-small toy-greedy (bf16) and llama-3.2-1b (fp32) exported with tuned kernels: width and method checks
+#   tuned-small toy-greedy (bf16) and llama-3.2-1b (fp32) exported with tuned kernels: width and method checks,
+#               and the toy's graph memory (every width against the widest alone)
 # Serving needs the wheels in .whl/ (see serving_8b.sh). --poll prints each step's state and its log's tail and
 # packs /tmp/chain into $OUT/chain.tar.gz.
 set -uo pipefail
@@ -58,7 +59,8 @@ sweep() {
 tuned_small() {  # correctness of tuned exports in both dtypes: designed tokens (toy) and methods vs eager (1B)
   python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache --preset toy-greedy --max-context 512 \
     --max-step-tokens 256 -o /tmp/toy-tuned.pt2 && python3 -m pt2serve.cli inspect /tmp/toy-tuned.pt2 | grep -i matmul \
-    && timeout 180 python3 scripts/device/graphs_check.py /tmp/toy-tuned.pt2 | tail -8
+    && timeout 180 python3 scripts/device/graphs_check.py /tmp/toy-tuned.pt2 | tail -8 \
+    && timeout 120 python3 scripts/device/graph_memory.py /tmp/toy-tuned.pt2
   python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache --preset llama-3.2-1b --dtype fp32 \
     --max-context 1024 --forward-sizes 1,4,16,64 -o /tmp/1b-fp32.pt2 \
     && python3 -m pt2serve.cli inspect /tmp/1b-fp32.pt2 | grep -i matmul \
