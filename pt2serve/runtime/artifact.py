@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._inductor.package.package import AOTICompiledModel
 from tqdm import tqdm
 
 from pt2serve.contract import (
@@ -519,6 +518,13 @@ def _bind_weights(runner, method: str, weights: dict[str, torch.Tensor], path: P
         raise Pt2ServeError(f"{path}: method {method} needs weights the package lacks: {', '.join(missing[:5])}")
     if needed:
         # user_managed: the method keeps pointers to our tensors, so every method shares one copy.
-        AOTICompiledModel(runner).load_constants(
-            {name: weights[name] for name in needed}, check_full_update=True, user_managed=True
-        )
+        constants = {name: weights[name] for name in needed}
+        try:
+            # The loader's own binding: (constants, use_inactive, check_full_update, user_managed). Its Python
+            # wrapper (AOTICompiledModel) lives in modules that import torch's compiler stack, seconds of
+            # start-up a served artifact never uses.
+            runner.load_constants(constants, False, True, True)
+        except TypeError:  # a torch whose binding differs: go through the wrapper
+            from torch._inductor.package.package import AOTICompiledModel
+
+            AOTICompiledModel(runner).load_constants(constants, check_full_update=True, user_managed=True)
