@@ -4,8 +4,8 @@ and a synchronous copy per weight) against the runtime's `_load_weights`, on the
 Usage: python scripts/load_time.py [--mb 512] [--device cpu|cuda] [--repeats 3] [--artifact A.pt2]
 Without --artifact it writes a synthetic package of weight records shaped like a small decoder (two big
 embedding-like weights, then layers of projections) into a temporary folder: no compile needed. With one, it
-times that artifact's weights. Prints seconds and GB/s per loader (median of the repeats, after one warm-up
-that brings the file into the page cache) and the ratio.
+times that artifact's weights. Prints seconds and GB/s per loader (median of the repeats, after one serial
+load that brings the file into the page cache) and the ratio. Run from the repository root with PYTHONPATH=.
 """
 
 from __future__ import annotations
@@ -84,7 +84,6 @@ def parallel_load(path: Path, metadata: Metadata, device: torch.device) -> dict[
 
 
 def timed(load, path: Path, metadata: Metadata, device: torch.device, repeats: int) -> float:
-    load(path, metadata, device)  # warm-up: the page cache, the allocator, the threads
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -115,6 +114,7 @@ def main() -> None:
         num_bytes = sum(_DTYPES[e["dtype"]].itemsize * int(np.prod(e["shape"])) for e in metadata.raw["weights"])
         print(f"{path}: {len(metadata.raw['weights'])} weights, {num_bytes / 1e9:.3f} GB, device {device}, "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+        serial_load(path, metadata, device)  # warm-up: the file into the page cache, and the device
         before = timed(serial_load, path, metadata, device, args.repeats)
         after = timed(parallel_load, path, metadata, device, args.repeats)
     print("| loader | seconds | GB/s |")

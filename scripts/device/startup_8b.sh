@@ -2,7 +2,8 @@
 # GPU: how long `serve-artifact` of the llama-3.1-8b preset (bf16, 16 GB of weights, 10 methods) takes from
 # launch to the first 200 from /health, and where the time goes: RUNS launches (default 2; the first may read
 # the file from disk, later ones from the page cache), each stopped once ready. Exports /tmp/model.pt2 first
-# unless it is there. Prints each server's load line, then one table: launch to 200, the server's own
+# unless it is there. Prints each server's load line, then the weights alone in process (scripts/load_time.py:
+# the serial loader that came before against the thread pool), then one table: launch to 200, the server's own
 # launch-to-ready, and its load breakdown (weights, methods beside them, binding, KV pool, graph capture).
 # Needs the server's carried wheels where the image lacks them (see serving_8b.sh). Logs: $OUT.
 set -uo pipefail
@@ -38,6 +39,10 @@ for run in $(seq 1 "$RUNS"); do
   kill -INT "$server" 2>/dev/null; wait "$server" 2>/dev/null
   echo "== run $run: launch to 200 in ${ready_s:-(never)} s"; grep -v "^INFO" "$log" | tail -5
 done
+
+# The weights alone, in process: the serial loader that came before against the thread pool (GB/s of each).
+timeout ${LOAD_LIMIT_S:-240} python3 scripts/load_time.py --artifact "$ARTIFACT" --device cuda --repeats 1 \
+  || echo "load_time.py failed or timed out"
 
 python3 - "$OUT" "$RUNS" <<'PY'
 import re, sys
