@@ -158,6 +158,7 @@ def inspect_command(
         ("tokenizer", "yes" if meta.get("tokenizer") else "no (token ids only)"),
         ("built with", f"torch {built['torch']}, cuda {built['cuda']}, {built.get('gpu_arch') or 'cpu'}"),
         ("content hash", meta["content_hash"]),
+        ("hash scheme", "2: sha256 per weight" if meta.get("content_hash_scheme") == 2 else "1: one sha256 stream"),
     ]
     for key, value in rows:
         table.add_row(key, str(value))

@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 import pt2serve
-from pt2serve.contract import FORMAT_VERSION, internal_model_name
+from pt2serve.contract import CONTENT_HASH_SCHEME, FORMAT_VERSION, internal_model_name
 from pt2serve.export.compile import CompileJob, compile_all
 from pt2serve.export.linear_tuning import describe, tune
 from pt2serve.export.methods import method_specs
@@ -139,6 +139,7 @@ def build_metadata(
         },
         "weights": weight_entries(weights),
         "content_hash": weights_hash(config, weights),
+        "content_hash_scheme": CONTENT_HASH_SCHEME,
         "tokenizer": tokenizer.to_dict() if tokenizer else None,
         "built_with": build_environment(options),
     }
