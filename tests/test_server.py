@@ -26,6 +26,7 @@ from starlette.testclient import TestClient
 from conftest import stop_at_token
 from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.runner import RunnerConfig
+from pt2serve.serve import completions
 from pt2serve.serve.app import attach_runner, create_app
 from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.generation import EventBridge
@@ -602,6 +603,23 @@ def assert_cancelled_and_freed(url: str, baseline: float, cancelled_before: floa
     after = metrics(url, AUTH)
     assert after['pt2serve_requests_total{finish_reason="cancelled"}'] == cancelled_before + 1
     assert after["pt2serve_requests_running"] == 0 and after["pt2serve_requests_waiting"] == 0
+
+
+def test_a_waiting_stream_gets_keep_alive_comments_that_clients_skip(strict, slow_engine, monkeypatch):
+    """Every gap between a slow engine's steps is longer than the (shortened) keep-alive interval: the raw
+    stream carries comments, and the openai client reads the same text as a whole completion."""
+    monkeypatch.setattr(completions, "KEEP_ALIVE_S", 0.002)
+    body = {**LONG, "max_tokens": 12, "temperature": 0}
+    with httpx.Client(base_url=strict, headers=AUTH, timeout=30) as http:
+        with http.stream("POST", COMPLETIONS, json=body) as stream:
+            lines = list(stream.iter_lines())
+        whole = http.post(COMPLETIONS, json={**body, "stream": False}).json()["choices"][0]["text"]
+    assert ": keep-alive" in lines
+    assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    with openai.OpenAI(base_url=f"{strict}/v1", api_key=API_KEY, max_retries=0) as client:
+        chunks = client.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                           extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == whole
 
 
 def test_disconnect_mid_stream_frees_cells(strict, slow_engine):

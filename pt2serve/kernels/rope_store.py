@@ -64,18 +64,20 @@ if triton is not None:
             tl.store(dst + second, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=ok)
         else:
             kv_head = head - NUM_HEADS
-            src = rows + (NUM_HEADS + kv_head) * HEAD_DIM
-            x1, x2 = _normed(tl.load(src + first, mask=ok, other=0), tl.load(src + second, mask=ok, other=0),
+            key = rows + (NUM_HEADS + kv_head) * HEAD_DIM
+            x1, x2 = _normed(tl.load(key + first, mask=ok, other=0), tl.load(key + second, mask=ok, other=0),
                              k_norm_ptr, eps, half, HEAD_DIM, HAS_NORM)
             model_dtype = q_ptr.dtype.element_ty
             pool_dtype = k_pool_ptr.dtype.element_ty
             cells = tl.load(cells_ptr + tokens, mask=tokens < num_tokens, other=0)
-            dst = (cells[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            tl.store(k_pool_ptr + dst + first, (x1 * cos - x2 * sin).to(model_dtype).to(pool_dtype), mask=ok)
-            tl.store(k_pool_ptr + dst + second, (x2 * cos + x1 * sin).to(model_dtype).to(pool_dtype), mask=ok)
+            # Names apart from the query branch's: Triton types a name across both branches of an if.
+            cell_offset = (cells[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM
+            tl.store(k_pool_ptr + cell_offset + first, (x1 * cos - x2 * sin).to(model_dtype).to(pool_dtype), mask=ok)
+            tl.store(k_pool_ptr + cell_offset + second, (x2 * cos + x1 * sin).to(model_dtype).to(pool_dtype),
+                     mask=ok)
             values = rows + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
             full = tl.arange(0, HEAD_DIM)[None, :]
-            tl.store(v_pool_ptr + dst + full, tl.load(values + full, mask=ok, other=0).to(v_pool_ptr.dtype.element_ty),
+            tl.store(v_pool_ptr + cell_offset + full, tl.load(values + full, mask=ok, other=0).to(v_pool_ptr.dtype.element_ty),
                      mask=ok)
 
     def launch_rope_and_store(

@@ -20,10 +20,21 @@ from pt2serve.serve.generation import Generation
 from pt2serve.serve.logprob_format import TokenTexts
 from pt2serve.serve.rendering import Rendering
 from pt2serve.serve.tool_calls import ToolUse, template_format
-from pt2serve.serve.openai_format import FINISH_REASONS, SSE_DONE, ChatFormat, CompletionFormat, Usage, sse
+from pt2serve.serve.openai_format import (
+    FINISH_REASONS,
+    SSE_DONE,
+    SSE_KEEP_ALIVE,
+    ChatFormat,
+    CompletionFormat,
+    Usage,
+    sse,
+)
 from pt2serve.serve.schemas import MAX_SESSION_ID_CHARS, GenerationRequest, parse_chat, parse_completion
 from pt2serve.serve.state import ServerState
 from pt2serve.serve.transport import EventStream, read_json, wait_for_disconnect
+
+# A stream with no event for this long gets an SSE comment (a request queued or preempted under load).
+KEEP_ALIVE_S = 15.0
 
 SESSION_HEADER = "x-session-id"
 
@@ -250,9 +261,10 @@ def _usage(generations: list[Generation]) -> Usage:
 
 
 async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, list[StreamEvent]]]:
-    """(choice index, batch of events) as they come from every choice, until all have finished."""
+    """(choice index, batch of events) as they come from every choice, until all have finished; (0, [])
+    after KEEP_ALIVE_S without any."""
     if len(generations) == 1:  # the common case needs no pump task and second queue per event
-        async for batch in generations[0].event_batches():
+        async for batch in generations[0].event_batches(KEEP_ALIVE_S):
             yield 0, batch
         return
     queue: asyncio.Queue[tuple[int, list[StreamEvent]]] = asyncio.Queue()
@@ -265,7 +277,12 @@ async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, lis
     try:
         remaining = len(generations)
         while remaining:
-            index, batch = await queue.get()
+            try:
+                async with asyncio.timeout(KEEP_ALIVE_S):
+                    index, batch = await queue.get()
+            except TimeoutError:
+                yield 0, []
+                continue
             remaining -= batch[-1].finish_reason is not None
             yield index, batch
     finally:
@@ -279,10 +296,15 @@ async def _stream(generations: list[Generation], render: Rendering, include_usag
     with an error event.
 
     The events waiting together go out in one write: a client that falls behind costs fewer writes, and
-    one that left is not written to once per queued event (asyncio warns about each such write)."""
+    one that left is not written to once per queued event (asyncio warns about each such write). A request
+    that waits (queued, or preempted under a full KV pool) gets an SSE comment every KEEP_ALIVE_S, which
+    clients skip, so a read timeout shorter than the wait does not end a stream that is still served."""
     fmt = render.fmt
     text_offsets: dict[int, int] = {}  # per choice that has started: where its next text begins
     async for index, batch in _merged(generations):
+        if not batch:
+            yield SSE_KEEP_ALIVE
+            continue
         parts = []
         for event in batch:
             if event.token_id is not None or event.text:  # a cut request's last event may carry held-back text

@@ -106,10 +106,19 @@ class Generation:
             speculation = SpeculationUsage(stats.draft_tokens, stats.accepted_tokens, stats.verify_steps)
         return Usage(len(self.handle.prompt_ids), len(self.token_ids), stats.reused_tokens, speculation)
 
-    async def event_batches(self) -> AsyncIterator[list[StreamEvent]]:
-        """Events as they come, all those waiting at once in one batch; the last ends with the finish event."""
+    async def event_batches(self, idle_s: float | None = None) -> AsyncIterator[list[StreamEvent]]:
+        """Events as they come, all those waiting at once in one batch; the last ends with the finish event.
+
+        With `idle_s`, an empty batch each time that long passes without an event (a queued or preempted
+        request): a stream sends a keep-alive then, so clients' read timeouts do not end it.
+        """
         while True:
-            batch = [await self._queue.get()]
+            try:
+                async with asyncio.timeout(idle_s):  # a timer handle, no task: cheap on every event
+                    batch = [await self._queue.get()]
+            except TimeoutError:
+                yield []
+                continue
             while batch[-1].finish_reason is None and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             yield batch

@@ -169,3 +169,4 @@ def sse(data: dict[str, Any] | str) -> bytes:
 
 
 SSE_DONE = sse("[DONE]")
+SSE_KEEP_ALIVE = b": keep-alive\n\n"  # a comment line: SSE clients skip it

@@ -4,11 +4,10 @@
 # It copies the repo to /tmp/chain/repo (later calls may rewrite the working tree under it), exports the
 # llama-3.1-8b preset once to /tmp/model.pt2 (matmul kernels tuned; if that export fails, once more without
 # tuning), then runs, each logged to /tmp/chain/NAME.log:
-#   method-8b   every compiled method of the 8B against the eager model (the tuned kernels on real shapes)
 #   sweep       bench sweep of decode widths and two wide steps, then the kernel profile of T = 1, 32, 64
 #   matmuls     scripts/device/matmul_floor.py: a step's weight matmuls, cuBLAS vs the chosen kernels vs floor
-#   serving     scripts/device/serving_8b.sh, in process and through HTTP (with launch-to-ready) only
-#   soak        scripts/device/soak_8b.sh (10 minutes), and beside it the checks whose timings do not count:
+#   soak        scripts/device/soak_8b.sh (10 minutes; its server's load line gives launch to ready), and beside
+#               it the checks whose timings do not count:
 #   cuda-tests  the tests marked cuda (scripts/device/cuda_tests.sh)
 #   tuned-small toy-greedy (bf16) and llama-3.2-1b (fp32) exported with tuned kernels: width and method checks,
 #               and the toy's graph memory (every width against the widest alone)
@@ -16,7 +15,7 @@
 # packs /tmp/chain into $OUT/chain.tar.gz.
 set -uo pipefail
 CHAIN=/tmp/chain
-STEPS=(export method-8b sweep matmuls serving soak cuda-tests tuned-small)
+STEPS=(export sweep matmuls soak cuda-tests tuned-small)
 
 if [ "${1:-}" = "--poll" ]; then
   for step in "${STEPS[@]}"; do
@@ -69,10 +68,8 @@ tuned_small() {  # correctness of tuned exports in both dtypes: designed tokens 
 
 run export export_8b
 [ -f "$ARTIFACT" ] || exit 1
-run method-8b timeout 300 python3 scripts/device/method_check.py "$ARTIFACT" "$PRESET"
 run sweep sweep
 run matmuls timeout 180 python3 scripts/device/matmul_floor.py "$ARTIFACT" "$PRESET"
-run serving env RATES= BUDGETS= scripts/device/serving_8b.sh
 run soak scripts/device/soak_8b.sh &
 soak=$!
 sleep 120   # the soak's server is up and past its warm-up before the side checks start
