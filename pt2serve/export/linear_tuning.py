@@ -112,6 +112,8 @@ def _rotation(shape: MatmulShape, device, dtype) -> list[torch.Tensor]:
 
 
 def _time_shape(shape: MatmulShape, width: int, weights: list[torch.Tensor], device, dtype) -> Timing:
+    from triton.runtime.errors import OutOfResources
+
     from pt2serve.kernels import small_m_linear
 
     x = torch.randn(width, shape.cols, device=device, dtype=dtype)
@@ -130,7 +132,7 @@ def _time_shape(shape: MatmulShape, width: int, weights: list[torch.Tensor], dev
         try:
             work = lambda: [small_m_linear.launch(x, w, swiglu, config) for w in weights]  # noqa: E731
             ms = graph_replay_ms(work, REPLAYS) / len(weights)
-        except Exception:  # a config this GPU cannot run (registers, shared memory): not a candidate here
+        except OutOfResources:  # tiles this GPU cannot hold (fp32 in shared memory): not a candidate here
             continue
         if ms < best_ms:
             best, best_ms = config, ms
