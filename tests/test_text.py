@@ -192,7 +192,7 @@ def test_a_cut_stream_still_sends_the_text_held_back():
         def cancel(self) -> None:  # a bad end cancels the request's other choices
             pass
 
-        async def event_batches(self):
+        async def event_batches(self, idle_s=None):
             yield [StreamEvent(0xE2, "")]  # the first byte of a 3-byte character: held back
             yield [StreamEvent(None, "\ufffd", FinishReason.CANCELLED)]
 
