@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from pt2serve.runtime.artifact import load_artifact, read_metadata, read_tokenizer_json
-from pt2serve.runtime.drafter import Drafter
+from pt2serve.runtime.drafter import Drafter, Speculation
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.runner import Runner, RunnerConfig
 from pt2serve.tokenizer import Tokenizer, TokenizerFiles
@@ -32,6 +33,8 @@ def open_runner(
 ) -> Runner:
     """Load `path` onto `device` (default: what it was built for) and start its engine thread."""
     artifact = load_artifact(path, device=device, show_progress=show_progress)
+    if drafter is None and runner_config.speculate is Speculation.DFLASH:
+        executor_config = replace(executor_config, draft=True)  # the runner drafts with the executor's draft
     executor = Executor(artifact, executor_config)
     tokenizer = artifact_tokenizer(artifact.tokenizer_json, artifact.metadata.raw.get("tokenizer"))
     return Runner(executor, tokenizer, runner_config, drafter)

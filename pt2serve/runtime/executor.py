@@ -36,6 +36,7 @@ from pt2serve.runtime.cells import (
     cells_that_fit,
     check_pool_fits,
 )
+from pt2serve.runtime.dflash import DFlashDrafter
 from pt2serve.runtime.grammar import apply_masks, bitmask_words
 from pt2serve.runtime.graphs import capture_all
 from pt2serve.runtime.logits import LogitsProcessor
@@ -63,6 +64,9 @@ class ExecutorConfig:
     # graph their fixed entry capacity makes them slower than forward_others over the real entries (CPU,
     # tiny preset: 51 ms against 3.3 ms for 64 decodes). True forces them (tests, checks of the methods).
     use_static_methods: bool | None = None
+    # Run the artifact's DFlash draft (--speculate dflash): allocate its cell pool and write its context with
+    # every forward. The artifact must hold one (export --draft).
+    draft: bool = False
 
     def __post_init__(self) -> None:
         if self.num_cells is not None and self.num_cells < 2:
@@ -231,17 +235,23 @@ class Executor:
         self._previous_ids: torch.Tensor | None = None
         self._previous_rows: dict[int, int] = {}
         free_before = _free_device_bytes(self.device)
+        # Before the forwards are captured: their graphs then write the draft context too.
+        self.draft: DFlashDrafter | None = None
+        if config.draft:
+            with _out_of_memory_explained("allocating the draft's cells"):
+                self.draft = DFlashDrafter(artifact, num_cells, self.uses_cuda_graphs)
         idle_steps = {}
         for width in self.forward_sizes:
             method = f"forward_{width}"
             idle_steps[method] = pack([], method, width, meta.entries_of(width))
         with _out_of_memory_explained("capturing CUDA graphs"):
             self._static, capture_seconds = capture_all(
-                artifact.run, idle_steps, self.pools, self.device, self.uses_cuda_graphs
+                self._run_forward, idle_steps, self.pools, self.device, self.uses_cuda_graphs
             )
+        pool_bytes = self._pool_storage.numel() * self._pool_storage.element_size()
         self.memory = MemoryReport(
             weight_bytes=artifact.report.weight_bytes,
-            pool_bytes=self._pool_storage.numel() * self._pool_storage.element_size(),
+            pool_bytes=pool_bytes + (self.draft.pool_bytes if self.draft is not None else 0),
             graph_bytes=max(0, free_before - _free_device_bytes(self.device)) if self.uses_cuda_graphs else 0,
             num_cells=num_cells,
             pool_sized_by=sized_by,
@@ -382,7 +392,15 @@ class Executor:
             return captured.run()
         inputs = regions(self._to_device(call.host), call.sizes)
         self._fill_placeholders(call, inputs[0])
-        return self.artifact.run(call.method, [*inputs, *self.pools])[0]
+        return self._run_forward(call.method, [*inputs, *self.pools])[0]
+
+    def _run_forward(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run a forward method; with a draft, also write the draft context of the step's tokens from its taps."""
+        outputs = self.artifact.run(method, inputs)
+        if self.draft is not None:
+            positions, write_cells = inputs[1], inputs[2]
+            self.draft.write_context(outputs[1], positions, write_cells)
+        return outputs
 
     def _fill_placeholders(self, call: MethodCall, tokens: torch.Tensor) -> None:
         """Copy the previous step's sampled ids into this call's token rows that wait for them."""
