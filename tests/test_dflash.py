@@ -254,3 +254,78 @@ def test_dflash_needs_an_artifact_with_a_draft_and_a_block_wide_enough(tiny_arti
     with pytest.raises(Pt2ServeError, match=f"use at most {BLOCK - 1}"):
         open_runner(dflash_artifact, runner_config=RunnerConfig(speculate=Speculation.DFLASH,
                                                                 num_draft_tokens=BLOCK))
+
+
+class RecordingOracle:
+    """Runs the artifact's draft and records its proposals, but proposes the known greedy continuation wrong at
+    index `accept`: verifying steps accept some drafts and reject others, and the draft context must stay right."""
+
+    def __init__(self, truth: list[int], accept: int) -> None:
+        self.dflash = None  # the runner's executor's draft, once it exists
+        self.truth, self.accept = truth, accept
+        self.seen: list[tuple[list[int], tuple[int, ...]]] = []
+
+    def propose_batch(self, requests):
+        real = self.dflash.propose_batch(requests)
+        self.seen += [(list(r.tokens), drafts) for r, drafts in zip(requests, real)]
+        proposals = []
+        for r in requests:
+            drafts = list(self.truth[len(r.tokens):len(r.tokens) + r.max_drafts])
+            if self.accept < len(drafts):
+                drafts[self.accept] = (drafts[self.accept] + 1) % 258
+            proposals.append(tuple(drafts))
+        return proposals
+
+
+def test_the_draft_context_follows_accepted_and_rejected_drafts(dflash_artifact, eager):
+    """After verifying steps that accepted 2 of 4 drafts, every block the artifact drafted is what the eager model
+    drafts from a fresh computation of the same tokens: accepted rows' context came from the verify forward,
+    rejected rows' was rewritten."""
+    from pt2serve.runtime.engine import open_runner
+    from pt2serve.runtime.executor import ExecutorConfig
+    from pt2serve.runtime.runner import RunnerConfig
+
+    prompt = [7, 3, 9, 200, 14, 15, 92, 65, 35, 89]
+    runner = open_runner(dflash_artifact, executor_config=ExecutorConfig(num_cells=1025, draft=True),
+                         runner_config=RunnerConfig(token_budget=64))
+    try:
+        truth = prompt + runner.generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
+    finally:
+        runner.close()
+    oracle = RecordingOracle(truth, accept=2)
+    runner = open_runner(dflash_artifact, executor_config=ExecutorConfig(num_cells=1025, draft=True),
+                         runner_config=RunnerConfig(token_budget=64, num_draft_tokens=4), drafter=oracle)
+    oracle.dflash = runner.executor.draft
+    try:
+        result = runner.generate(prompt, max_new_tokens=30, ignore_eos=True)
+        assert prompt + result.token_ids == truth
+        assert 0 < result.stats.accepted_tokens < result.stats.draft_tokens
+    finally:
+        runner.close()
+    assert len(oracle.seen) >= 5
+    for tokens, drafted in oracle.seen:
+        expected = _eager_drafts(eager, [(tokens[:-1], tokens[-1])], len(drafted))
+        assert [list(drafted)] == expected
+
+
+@pytest.mark.skipif(not __import__("pt2serve.kernels.cell_attention", fromlist=["x"]).is_available(),
+                    reason="needs the triton package")
+def test_the_attention_kernel_drafts_like_the_masked_path(eager):
+    """The GPU artifacts' attention kernel (run by Triton's interpreter here) sees the block non-causally too:
+    its visibility is by position, and every block token sits at the block's last position."""
+    from pt2serve.model.attention import AttentionImpl
+
+    layers = eager.draft.config.layers
+    contexts = [5, 11]
+    pools = [torch.randn(80, layers.num_kv_heads, layers.head_dim) for _ in range(2 * layers.num_layers)]
+    seq_cells = torch.cat((torch.arange(1, 6), torch.arange(60, 66), torch.arange(10, 21), torch.arange(66, 72),
+                           torch.zeros(3, dtype=torch.int64)))
+    indptr = torch.tensor([0, contexts[0] + BLOCK, sum(contexts) + 2 * BLOCK])
+    embeddings = torch.randn(2 * BLOCK, layers.hidden_size)
+    outputs = []
+    for impl in (AttentionImpl.MASKED, AttentionImpl.KERNEL):
+        copies = [p.clone() for p in pools]
+        with torch.no_grad():
+            outputs.append(eager.draft.draft_hidden(embeddings, indptr, seq_cells, copies[:layers.num_layers],
+                                                    copies[layers.num_layers:], impl))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)

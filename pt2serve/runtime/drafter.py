@@ -2,6 +2,8 @@
 
 A drafter only proposes: whatever it returns, the emitted tokens are the target's (greedy) or distributed as
 the target's (sampling). A good drafter makes steps emit more tokens; a bad one costs the verify rows.
+The scheduler asks for all of a step's drafts at once (`propose_all`): a host drafter answers per request,
+a device drafter (DFlash, dflash.py) drafts them together in a few calls.
 
 `NgramDrafter` is prompt lookup: find the most recent earlier occurrence of the sequence's last n tokens
 (n = max_ngram down to min_ngram) in its own prompt and output, and propose the tokens that followed it.

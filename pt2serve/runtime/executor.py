@@ -33,7 +33,7 @@ from pt2serve.runtime.cells import (
     CellAllocator,
     allocate_kv_pools,
     available_memory_bytes,
-    cells_that_fit,
+    bytes_per_cell,
     check_pool_fits,
 )
 from pt2serve.runtime.dflash import DFlashDrafter
@@ -272,8 +272,12 @@ class Executor:
         available = available_memory_bytes(self.device)
         if available is None:  # a host that cannot tell: the CPU default
             return min(limit, max(CPU_POOL_TOKENS, meta.max_context) + 1), "the CPU default"
-        fits = cells_that_fit(available, config.kv_memory_fraction, cache["num_layers"], cache["num_kv_heads"],
-                              cache["head_dim"], meta.kv_dtype)
+        per_cell = bytes_per_cell(cache["num_layers"], cache["num_kv_heads"], cache["head_dim"], meta.kv_dtype)
+        if config.draft and meta.draft is not None:
+            # The draft's pool mirrors every cell: the same fraction of memory holds both.
+            draft = meta.draft["cache"]
+            per_cell += bytes_per_cell(draft["num_layers"], draft["num_kv_heads"], draft["head_dim"], meta.kv_dtype)
+        fits = int(available * config.kv_memory_fraction) // per_cell
         if fits < meta.max_context + 1:
             raise Pt2ServeError(
                 f"only {fits} KV cells fit in {config.kv_memory_fraction:.0%} of the {memory}, fewer than one "

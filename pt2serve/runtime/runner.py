@@ -304,7 +304,7 @@ class Runner:
         excluded = _not_speculating_because(sampling, logprobs, prompt_logprobs, parent is not None,
                                             grammar is not None)
         if speculate and self.drafter is None:
-            raise Pt2ServeError("this server does not speculate: start it with --speculate ngram")
+            raise Pt2ServeError("this server does not speculate: start it with --speculate ngram or dflash")
         if speculate and excluded:
             raise Pt2ServeError(f"speculative decoding does not combine with {excluded}: leave it out, or do not "
                                 "ask to speculate")

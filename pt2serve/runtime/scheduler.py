@@ -18,9 +18,10 @@ once, a sampling chunk counts an unresolved sample, and a decode whose token is 
 the chunk of the previous plan that samples it (ScheduledChunk.previous_sample). Commits come in plan order.
 
 Speculation: a request with num_draft_tokens decodes its pending token plus up to that many tokens its
-drafter proposes, all in one chunk that takes 1 + k tokens of the budget and 1 + k cells. Its num_computed
-advances by one when planned and by the accepted count when the result comes back; the cells of rejected
-drafts are freed then (the next step writes those positions again). It is planned again only once its
+drafter proposes (one call for all of a step's speculating requests), all in one chunk that takes 1 + k
+tokens of the budget and 1 + k cells. Its num_computed advances by one when planned and by the accepted
+count when the result comes back; the cells of rejected drafts are freed then (the next step writes those
+positions again). It is planned again only once its
 result is back (its drafts need its newest token), while other requests keep one step in flight.
 
     cells:  [ ... | pending | d1 d2 d3 ]   planned:  num_computed = position of d1

@@ -118,7 +118,7 @@ def main() -> None:
                                  **{key: value for key, value in run.items() if key != "tokens"}}
                                 for name, run, per_step, floor in rows]}, file, indent=1)
     print(f"total seconds: {time.monotonic() - started:.0f}; k = {k} drafts (block {block}); weights: target "
-          f"{target_bytes / 1e9:.3f} GB, draft {draft_bytes / 1e9:.3f} GB; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+          f"{target_bytes / 1e6:.1f} MB, draft {draft_bytes / 1e6:.1f} MB; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print(f"| batch 1, {executor.device} | tokens per step | tok/s | weight-read floor tok/s | of floor |")
     print("|---|---|---|---|---|")
     for name, run, per_step, floor_ms in rows:
