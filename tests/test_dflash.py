@@ -329,3 +329,31 @@ def test_the_attention_kernel_drafts_like_the_masked_path(eager):
             outputs.append(eager.draft.draft_hidden(embeddings, indptr, seq_cells, copies[:layers.num_layers],
                                                     copies[layers.num_layers:], impl))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_server_reports_dflash_acceptance_in_usage_and_metrics(dflash_artifact):
+    """Served with --speculate dflash (the flags' path): usage.speculation and /metrics count the draft's steps."""
+    import httpx
+    from conftest import served
+    from test_server import metrics
+
+    from pt2serve.runtime.engine import describe_load, open_runner
+    from pt2serve.runtime.executor import ExecutorConfig
+    from pt2serve.runtime.runner import RunnerConfig
+    from pt2serve.runtime_flags import speculation
+
+    config = RunnerConfig(token_budget=64, **speculation("dflash", 3))
+    runner = open_runner(dflash_artifact, executor_config=ExecutorConfig(num_cells=1025), runner_config=config)
+    thread = served(runner, "tiny")
+    try:
+        assert "speculating with DFlashDrafter, up to 3 drafts per sequence and step" in describe_load(runner)
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        usage = httpx.post(f"{thread.url}/v1/completions", json=body, timeout=60).json()["usage"]["speculation"]
+        assert usage["steps"] > 0 and usage["steps"] < usage["draft_tokens"] <= 3 * usage["steps"]
+        assert usage["mean_accepted_length"] == pytest.approx(1 + usage["accepted_tokens"] / usage["steps"], abs=0.01)
+        samples = metrics(thread.url)
+        assert samples["pt2serve_spec_verify_steps_total"] == usage["steps"]
+        assert samples["pt2serve_spec_draft_tokens_total"] == usage["draft_tokens"]
+    finally:
+        thread.stop()
+        runner.close()

@@ -207,8 +207,8 @@ class DraftContextMethod(nn.Module):
 
     def forward(self, taps, positions, write_cells, k_pools, v_pools) -> torch.Tensor:
         self.draft.write_context(taps, positions, write_cells, k_pools, v_pools)
-        # AOTInductor needs an output; a tiny one (the pools are the real result).
-        return write_cells[:1]
+        # AOTInductor needs an output: a tiny fresh one (not a view of an input); the pools are the real result.
+        return write_cells[:1].clone()
 
 
 class DraftBlockMethod(nn.Module):
