@@ -95,8 +95,8 @@ SPECULATION_METHODS = ("none", "ngram", "dflash")
 def speculate_option() -> Any:
     return typer.Option(
         None, help="Speculative decoding: none; ngram (drafts from the request's own prompt and output, where its "
-        "last tokens occurred before); or dflash (the artifact's DFlash draft model, exported with --draft). Each step verifies a sequence's drafts with its pending token, so it may emit "
-        "several tokens; greedy output is unchanged and sampled output keeps its distribution. Requests with "
+        "last tokens occurred before); or dflash (the artifact's DFlash draft model, exported with --draft). Each "
+        "step verifies a sequence's drafts with its pending token, so it may emit several tokens; greedy output is unchanged and sampled output keeps its distribution. Requests with "
         "structured output, logprobs, penalties, logit_bias, min_tokens or n > 1 decode plainly (default: none)."
     )
 

@@ -62,8 +62,9 @@ def published_draft_hidden(weights, cfg, taps, block_embeddings, start):
         w = {k.split(f"layers.{layer}.", 1)[1]: v for k, v in weights.items() if k.startswith(f"layers.{layer}.")}
         x = _rms(h, w["input_layernorm.weight"], eps)
         q = (x @ w["self_attn.q_proj.weight"].T).view(-1, heads, dim)
-        k = torch.cat((context @ w["self_attn.k_proj.weight"].T, x @ w["self_attn.k_proj.weight"].T)).view(-1, kv_heads, dim)
-        v = torch.cat((context @ w["self_attn.v_proj.weight"].T, x @ w["self_attn.v_proj.weight"].T)).view(-1, kv_heads, dim)
+        k_proj, v_proj = w["self_attn.k_proj.weight"].T, w["self_attn.v_proj.weight"].T
+        k = torch.cat((context @ k_proj, x @ k_proj)).view(-1, kv_heads, dim)
+        v = torch.cat((context @ v_proj, x @ v_proj)).view(-1, kv_heads, dim)
         q = _rope(_rms(q, w["self_attn.q_norm.weight"], eps), positions[start:], theta)
         k = _rope(_rms(k, w["self_attn.k_norm.weight"], eps), positions, theta)
         groups = heads // kv_heads

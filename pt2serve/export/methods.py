@@ -36,7 +36,8 @@ class MethodSpec:
 
 def draft_specs(draft_sizes: tuple[int, ...], entries_for) -> list[MethodSpec]:
     """The DFlash draft methods: the context writer, then one static block method per sequence count."""
-    blocks = [MethodSpec(draft_name(n), num_entries=entries_for(n), num_seqs=n) for n in sorted(draft_sizes, reverse=True)]
+    blocks = [MethodSpec(draft_name(n), num_entries=entries_for(n), num_seqs=n)
+              for n in sorted(draft_sizes, reverse=True)]
     return blocks + [MethodSpec(DRAFT_CONTEXT)]
 
 

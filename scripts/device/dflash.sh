@@ -36,5 +36,6 @@ write_random_draft(sys.argv[1], CONFIGS[sys.argv[2]], num_layers=int(sys.argv[3]
 fi
 
 timeout $(( ${RUN_LIMIT_S:-170} + 60 )) "$PYTHON" scripts/device/dflash.py "$ARTIFACT" \
-  --seconds "${RUN_LIMIT_S:-170}" --json "$OUT/dflash.json" ${NUM_DRAFT_TOKENS:+--num-draft-tokens "$NUM_DRAFT_TOKENS"} \
+  --seconds "${RUN_LIMIT_S:-170}" --json "$OUT/dflash.json" \
+  ${NUM_DRAFT_TOKENS:+--num-draft-tokens "$NUM_DRAFT_TOKENS"} \
   || echo "dflash.py failed or timed out"
