@@ -358,3 +358,22 @@ def test_the_server_reports_dflash_acceptance_in_usage_and_metrics(dflash_artifa
     finally:
         thread.stop()
         runner.close()
+
+
+def test_the_rope_check_takes_a_draft_without_the_targets_scaling_but_refuses_another():
+    import dataclasses
+
+    from pt2serve.model.config import RopeScaling
+    from pt2serve.model.dflash import DFlashConfig, check_against_target
+
+    target = CONFIGS["llama-3.2-1b"]
+
+    def draft(**changes) -> DFlashConfig:
+        return DFlashConfig(dataclasses.replace(target, num_layers=1, **changes), 16, 5, (1, 7))
+
+    check_against_target(draft(), target, "draft")
+    check_against_target(draft(rope_scaling=None), target, "draft")  # trained with plain rope: its own is used
+    with pytest.raises(Pt2ServeError, match="the draft's rope"):
+        check_against_target(draft(rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192)), target, "draft")
+    with pytest.raises(Pt2ServeError, match="the draft's rope"):
+        check_against_target(draft(rope_theta=10000.0), target, "draft")

@@ -87,6 +87,9 @@ def read_dflash_config(path: Path) -> DFlashConfig:
     if not hf.get("rope_is_neox_style", hf.get("is_neox_style", True)):
         raise Pt2ServeError(f"{path}: interleaved rope (is_neox_style=false) is not supported: pt2serve's rope "
                             "rotates halves, as the targets it serves do")
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise Pt2ServeError(f"{path}: partial rotary embeddings (partial_rotary_factor "
+                            f"{hf['partial_rotary_factor']}) are not supported: rope covers the whole head")
     if field("candidate_selector") or field("conv_kernel_size"):
         raise Pt2ServeError(f"{path}: DFlash2 drafts (candidate selector, convolutions) are not supported")
     # The draft's layers are Qwen3 layers; parse them with the decoder's own config reader.
@@ -118,9 +121,12 @@ def check_against_target(draft: DFlashConfig, target: ModelConfig, source: str) 
     if layers.vocab_size != target.vocab_size:
         raise Pt2ServeError(f"{source}: the draft's vocab_size ({layers.vocab_size}) differs from the target's "
                             f"({target.vocab_size})")
-    # The draft's positions are the target's: a different rope base or scaling rotates its context keys
-    # differently from what it was trained on, and acceptance collapses without any error.
-    if (layers.rope_theta, layers.rope_scaling) != (target.rope_theta, target.rope_scaling):
+    # The draft's positions are the target's: a draft whose rope base differs from the target's was trained for
+    # another model, and its drafts would be rejected without any error. The draft applies its own rope (as the
+    # published code does), so a draft without the target's frequency scaling is taken as it was trained; two
+    # different scalings are refused.
+    scalings = (layers.rope_scaling, target.rope_scaling)
+    if layers.rope_theta != target.rope_theta or (None not in scalings and scalings[0] != scalings[1]):
         raise Pt2ServeError(
             f"{source}: the draft's rope (theta {layers.rope_theta}, scaling {layers.rope_scaling}) differs from the "
             f"target's (theta {target.rope_theta}, scaling {target.rope_scaling}): its positions would not match "
