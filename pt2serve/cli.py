@@ -95,6 +95,11 @@ def export_command(
     draft_sizes: str = typer.Option(
         ",".join(map(str, DEFAULT_DRAFT_SIZES)), help="With --draft: sequences per static draft method, increasing."
     ),
+    tune_matmuls: bool = typer.Option(
+        True, "--tune-matmuls/--no-tune-matmuls",
+        help="cuda: time the small-step matmul kernels against cuBLAS for each weight shape and static width, "
+             "and build each method with the faster (recorded in the metadata; nothing is tuned at load).",
+    ),
 ) -> None:
     """Trace a model and compile it into one multi-method .pt2 package."""
     from pt2serve.export.exporter import export
@@ -110,8 +115,8 @@ def export_command(
         forward_sizes=parse_sizes(forward_sizes), max_step_tokens=max_step_tokens, max_cells=max_cells,
         max_context=max_context, graph_entries=graph_entries, min_prefill_chunk=min_prefill_chunk, jobs=jobs,
         device_index=device_index, quantize=quantize, group_size=group_size, quantize_lm_head=quantize_lm_head,
-        quantize_embedding=quantize_embedding, revision=revision, hf_token=hf_token, draft=draft,
-        draft_sizes=parse_sizes(draft_sizes),
+        quantize_embedding=quantize_embedding, tune_matmuls=tune_matmuls, revision=revision, hf_token=hf_token,
+        draft=draft, draft_sizes=parse_sizes(draft_sizes),
     )
     try:
         summary = export(options)
@@ -158,10 +163,12 @@ def inspect_command(
         ("methods", ", ".join(meta["methods"])),
         ("weights", f"{len(meta['weights'])} tensors"),
         ("quantization", describe_quantization_record(meta.get("quantization"))),
+        ("small-step matmuls", describe_linear_kernels(meta.get("linear_kernels"))),
         ("draft", describe_draft_record(meta.get("draft"))),
         ("tokenizer", "yes" if meta.get("tokenizer") else "no (token ids only)"),
         ("built with", f"torch {built['torch']}, cuda {built['cuda']}, {built.get('gpu_arch') or 'cpu'}"),
         ("content hash", meta["content_hash"]),
+        ("hash scheme", "2: sha256 per weight" if meta.get("content_hash_scheme") == 2 else "1: one sha256 stream"),
     ]
     for key, value in rows:
         table.add_row(key, str(value))
@@ -176,6 +183,16 @@ def describe_draft_record(record: dict | None) -> str:
     return (f"dflash from {record['source']}: {cache['num_layers']} layers, block {record['block_size']}, "
             f"mask token {record['mask_token_id']}, taps layers {record['target_layer_ids']}, "
             f"draft sizes {', '.join(map(str, record['sizes']))}")
+
+
+def describe_linear_kernels(record: dict | None) -> str:
+    """One line for `inspect`: how many timed shapes took a Triton kernel, and a step's matmuls each way."""
+    if record is None:
+        return "cuBLAS (not tuned)"
+    timings = record["timings"]
+    widths = "; ".join(f"M={width}: {ms['cublas']:.2f} -> {ms['chosen']:.2f} ms"
+                       for width, ms in record["step_matmuls_ms"].items())
+    return f"Triton kernel for {len(record['choices'])} of {len(timings)} shape x width; cuBLAS -> chosen: {widths}"
 
 
 def describe_quantization_record(record: dict | None) -> str:

@@ -79,14 +79,21 @@ def internal_model_name(index: int) -> str:
     return f"method_{index:03d}"
 
 
-class ContentHasher:
-    """sha256 over the model config, then each weight's name, dtype, shape and bytes, fed in name order.
+# How `content_hash` is computed. Scheme 1 (artifacts without a `content_hash_scheme` field): one sha256 stream
+# over the config and every weight's bytes (ContentHasher), serial by construction. Scheme 2: a sha256 per
+# weight, which any number of threads compute at once, then one sha256 over the config and a line per weight
+# (content_hash).
+CONTENT_HASH_SCHEME = 2
 
-    The exporter writes this digest into the metadata; the loader recomputes it while reading weights.
+
+class ContentHasher:
+    """Scheme 1: sha256 over the model config, then each weight's name, dtype, shape and bytes, fed in name order.
+
+    Artifacts written before scheme 2 carry this digest; the loader recomputes it for them.
     """
 
     def __init__(self, config: dict) -> None:
-        self._digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+        self._digest = hashlib.sha256(_config_bytes(config))
         self._last_name = ""
 
     def update(self, name: str, dtype: str, shape, data) -> None:
@@ -97,3 +104,17 @@ class ContentHasher:
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
+
+
+def content_hash(config: dict, weight_digests: dict[str, tuple[str, tuple[int, ...], str]]) -> str:
+    """Scheme 2: sha256 over the config, then one `name|dtype|shape|sha256 of its bytes` line per weight, in name
+    order. `weight_digests` maps each weight's name to (dtype, shape, hex sha256 of its bytes)."""
+    digest = hashlib.sha256(_config_bytes(config))
+    for name in sorted(weight_digests):
+        dtype, shape, weight_digest = weight_digests[name]
+        digest.update(f"{name}|{dtype}|{tuple(shape)}|{weight_digest}\n".encode())
+    return digest.hexdigest()
+
+
+def _config_bytes(config: dict) -> bytes:
+    return json.dumps(config, sort_keys=True).encode()

@@ -3,6 +3,7 @@ message that names the problem, before any compiled method runs (a crash would t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import struct
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from pt2serve.contract import ContentHasher, forward_name
+from pt2serve.contract import CONTENT_HASH_SCHEME, ContentHasher, content_hash, forward_name
 from pt2serve.runtime.artifact import read_metadata
 
 
@@ -76,6 +77,29 @@ def claim_size(path: Path, info: zipfile.ZipInfo, num_bytes: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def weight_bytes(path: Path, metadata: dict) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as archive:
+        by_suffix = {n.split("/", 1)[-1]: n for n in archive.namelist()}
+        return {w["name"]: archive.read(by_suffix[w["record"]]) for w in metadata["weights"]}
+
+
+def rehash(src: Path, metadata: dict, scheme: int) -> None:
+    """Recompute `metadata`'s content hash over the weights it lists (bytes read from `src`) with `scheme`:
+    1 writes it as an artifact from before scheme 2 did (no content_hash_scheme field)."""
+    data = weight_bytes(src, metadata)
+    if scheme == 1:
+        hasher = ContentHasher(metadata["model_config"])
+        for w in sorted(metadata["weights"], key=lambda w: w["name"]):
+            hasher.update(w["name"], w["dtype"], w["shape"], data[w["name"]])
+        metadata.pop("content_hash_scheme", None)
+        metadata["content_hash"] = hasher.hexdigest()
+    else:
+        metadata["content_hash_scheme"] = scheme
+        metadata["content_hash"] = content_hash(metadata["model_config"], {
+            w["name"]: (w["dtype"], w["shape"], hashlib.sha256(data[w["name"]]).hexdigest())
+            for w in metadata["weights"]})
+
+
 def make_bad_artifacts(src: Path, tmp: Path) -> dict[str, tuple[Path, str, str | None]]:
     """name -> (path, text the error must contain, device to load on)."""
     meta = read_metadata(src).raw
@@ -116,6 +140,22 @@ def make_bad_artifacts(src: Path, tmp: Path) -> dict[str, tuple[Path, str, str |
     shutil.copy(src, tampered)
     flip_byte(tampered, record_info(src, largest["record"]))
     cases["tampered-weights"] = (tampered, "content hash", None)
+    # One weight hashed on its own (scheme 2) still changes the whole content hash: a flipped byte in the
+    # smallest weight is refused too.
+    smallest = min(meta["weights"], key=lambda w: int(np.prod(w["shape"])))
+    tampered_small = tmp / "tampered-small-weight.pt2"
+    shutil.copy(src, tampered_small)
+    flip_byte(tampered_small, record_info(src, smallest["record"]))
+    cases["tampered-small-weight"] = (tampered_small, "content hash", None)
+    # Artifacts written before scheme 2 (no content_hash_scheme, one serial sha256) load, and their hash is
+    # still checked.
+    edited("old-hash-scheme-ok", lambda m: rehash(src, m, 1), "")
+    old_tampered = tmp / "old-hash-scheme-tampered.pt2"
+    shutil.copy(cases["old-hash-scheme-ok"][0], old_tampered)
+    flip_byte(old_tampered, record_info(old_tampered, largest["record"]))
+    cases["old-hash-scheme-tampered"] = (old_tampered, "content hash", None)
+    edited("unknown-hash-scheme", lambda m: m.update(content_hash_scheme=CONTENT_HASH_SCHEME + 1),
+           f"content hash scheme {CONTENT_HASH_SCHEME + 1}, this pt2serve knows schemes 1 to {CONTENT_HASH_SCHEME}")
     dropped = meta["weights"][0]
     missing_weight = tmp / "missing-weight.pt2"
     rewrite_zip(src, missing_weight, drop=lambda n: n == dropped["record"])
@@ -150,12 +190,7 @@ def make_bad_artifacts(src: Path, tmp: Path) -> dict[str, tuple[Path, str, str |
 
     def without_norm(m):
         m["weights"] = [w for w in m["weights"] if w["name"] != absent]
-        hasher = ContentHasher(m["model_config"])
-        with zipfile.ZipFile(src) as archive:
-            for w in sorted(m["weights"], key=lambda w: w["name"]):
-                hasher.update(w["name"], w["dtype"], w["shape"], archive.read(next(
-                    n for n in archive.namelist() if n.split("/", 1)[-1] == w["record"])))
-        m["content_hash"] = hasher.hexdigest()
+        rehash(src, m, CONTENT_HASH_SCHEME)
 
     norm_record = next(w["record"] for w in meta["weights"] if w["name"] == absent)
     edited("method-needs-absent-weight", without_norm, f"needs weights the package lacks: {absent}",
@@ -259,6 +294,7 @@ def bad_artifact_results(tiny_artifact, tmp_path_factory):
 
 BAD_CASES = [
     "truncated", "not-a-zip", "no-such-path", "missing-method", "damaged-method", "tampered-weights",
+    "tampered-small-weight", "old-hash-scheme-tampered", "unknown-hash-scheme",
     "missing-weight", "weight-wrong-size", "weight-compressed", "weight-truncated", "method-needs-absent-weight",
     "no-metadata", "metadata-not-json", "metadata-not-an-object", "metadata-missing-fields",
     "metadata-sizes-not-a-list", "metadata-zero-context", "metadata-bad-cache-dtype", "metadata-bad-weight-dtype",
@@ -276,6 +312,16 @@ def test_bad_artifact_is_refused_with_message(bad_artifact_results, case):
     assert message in text, f"{message!r} not in: {text}"
 
 
-def test_rewritten_artifact_still_loads(bad_artifact_results):
-    outcome, text, _ = bad_artifact_results["rewritten-ok"]
+@pytest.mark.parametrize("case", ["rewritten-ok", "old-hash-scheme-ok"])
+def test_rewritten_artifact_still_loads(bad_artifact_results, case):
+    outcome, text, _ = bad_artifact_results[case]
     assert outcome == "loaded", text
+
+
+def test_export_records_the_parallel_hash_scheme(tiny_artifact):
+    """A new export carries scheme 2: a sha256 per weight, combined over the config in name order."""
+    meta = read_metadata(tiny_artifact).raw
+    assert meta["content_hash_scheme"] == CONTENT_HASH_SCHEME == 2
+    rehashed = json.loads(json.dumps(meta))
+    rehash(tiny_artifact, rehashed, 2)
+    assert rehashed["content_hash"] == meta["content_hash"]

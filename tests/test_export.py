@@ -435,7 +435,8 @@ def test_inspect_prints_key_fields(tiny_artifact):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for text in ("LlamaForCausalLM", "fp32 / cpu", "forward_64", FORWARD_OTHERS, SAMPLE_ARGMAX,
-                 "1, 2, 4, 8, 16, 32, 64", str(TEST_MAX_CELLS), raw["content_hash"], torch.__version__):
+                 "1, 2, 4, 8, 16, 32, 64", str(TEST_MAX_CELLS), raw["content_hash"], torch.__version__,
+                 "sha256 per weight"):
         assert text in out, f"{text!r} not in inspect output:\n{out}"
 
     result = run_cli("inspect", "--json", tiny_artifact)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -651,7 +652,7 @@ def test_cli_serves_until_signalled_then_exits_0(tiny_artifact, sig):
     served = ServeProcess(tiny_artifact, "--model-name", "cli-model", "--api-key", API_KEY)
     try:
         assert served.load_line.startswith("loaded in ") and "KV pool" in served.load_line
-        assert "graphs" in served.load_line
+        assert "graphs" in served.load_line and re.search(r"; ready [\d.]+ s after launch$", served.load_line.rstrip())
         assert served.ready_line.startswith("serving cli-model at http://127.0.0.1:")
         assert served.ready_line.rstrip().endswith("(ready)")
         assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}

@@ -26,6 +26,7 @@ from pt2serve.export.methods import (
     trace_forward,
     trace_sampler,
 )
+from pt2serve.kernels.linear_choice import LinearChoices, using
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.dflash import attach_draft
@@ -46,6 +47,7 @@ class CompileJob:
     max_cells: int
     attention: AttentionImpl
     quantize: QuantScheme | None = None
+    linear_choices: dict | None = None  # LinearChoices.to_dict(): the small-M kernels the export chose
     draft: str | None = None  # a DFlash draft directory: the model taps its layers and holds the draft
     max_draft_cells: int = 0  # the draft pool's largest cell count (with a draft)
 
@@ -89,7 +91,8 @@ def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, li
         model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.attention, job.quantize,
                               job.draft)
     if job.spec.name.startswith("forward"):
-        program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)
+        with using(LinearChoices.from_dict(job.linear_choices or {})):
+            program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)
     elif job.spec.name == DRAFT_CONTEXT:
         program, args = trace_draft_context(model, job.max_step_tokens, job.max_draft_cells)
     elif job.spec.num_seqs is not None:

@@ -11,12 +11,14 @@ import torch
 from tqdm import tqdm
 
 import pt2serve
-from pt2serve.contract import FORMAT_VERSION, internal_model_name
+from pt2serve.contract import CONTENT_HASH_SCHEME, FORMAT_VERSION, internal_model_name
 from pt2serve.export.compile import CompileJob, compile_all
+from pt2serve.export.linear_tuning import describe, tune
 from pt2serve.export.methods import draft_specs, method_specs
 from pt2serve.export.options import ExportOptions
 from pt2serve.export.toolchain import libstdcxx_mismatch, warn_about
 from pt2serve.export.package import weight_entries, weights_hash, write_package
+from pt2serve.kernels.linear_choice import LinearChoices
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.dflash import DFlashDraft, attach_draft
 from pt2serve.model.hub import resolve_checkpoint
@@ -48,6 +50,10 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     )
     config, model, tokenizer = loaded.config, loaded.model, loaded.tokenizer
     max_context = options.validate_for_model(config.max_position_embeddings)
+    choices, tuning = LinearChoices({}), None
+    if options.backend == "cuda" and options.tune_matmuls:
+        choices, timings = tune(model, options.forward_sizes, show_progress)
+        tuning = describe(model, timings) | {"choices": choices.to_dict()}
     specs = method_specs(options.forward_sizes, lambda width: options.entries_for(width, max_context))
     draft, max_draft_cells = None, 0
     if options.draft is not None:
@@ -58,7 +64,8 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     jobs = [
         CompileJob(spec, checkpoint, options.preset, options.torch_dtype, options.device,
                    options.max_step_tokens, options.max_cells, options.attention_impl, options.quant_scheme,
-                   str(options.draft) if options.draft is not None else None, max_draft_cells)
+                   choices.to_dict(), str(options.draft) if options.draft is not None else None,
+                   max_draft_cells)
         for spec in specs
     ]
     internal = {spec.name: internal_model_name(i) for i, spec in enumerate(specs)}
@@ -84,6 +91,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
         metadata["source"] = resolved.source
     metadata["built_with"]["libstdcxx_mismatch"] = mismatch
     metadata["quantization"] = describe_quantization(model, loaded.quantization_method)
+    metadata["linear_kernels"] = tuning
     if draft is not None:
         metadata["draft"] = draft_metadata(draft, options)
     write_package(options.output, aoti_files, weights, metadata, tokenizer.tokenizer_json if tokenizer else None)
@@ -138,6 +146,7 @@ def build_metadata(
         "methods": {spec.name: method_metadata(spec, internal[spec.name]) for spec in specs},
         "weights": weight_entries(weights),
         "content_hash": weights_hash(config, weights),
+        "content_hash_scheme": CONTENT_HASH_SCHEME,
         "tokenizer": tokenizer.to_dict() if tokenizer else None,
         "built_with": build_environment(options),
     }

@@ -45,6 +45,7 @@ class ExportOptions:
     group_size: int | None = None  # None: the scheme's default (int4: 128, int8: one group per row)
     quantize_lm_head: bool = False
     quantize_embedding: bool = False
+    tune_matmuls: bool = True  # cuda: time the small-M kernels against cuBLAS per shape and keep the faster
     draft: Path | None = None  # a DFlash draft checkpoint directory, exported into the same artifact
     draft_sizes: tuple[int, ...] = DEFAULT_DRAFT_SIZES  # sequences per static draft method
     revision: str | None = None  # of a Hugging Face Hub checkpoint (a branch, tag or commit)

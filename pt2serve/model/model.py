@@ -16,8 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pt2serve.kernels import rope_store  # noqa: F401  (registers torch.ops.pt2serve.rope_and_store)
+from pt2serve.kernels.linear_choice import linear, swiglu_linear
 from pt2serve.model.attention import AttentionImpl, StepAttention
 from pt2serve.model.config import ModelConfig, RopeScaling
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul takes the kernel the export chose for its shape and the step's width."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -66,8 +75,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -82,7 +91,23 @@ class Attention(nn.Module):
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        qkv = self.qkv_proj(x)
+        if attend.impl is AttentionImpl.KERNEL:  # GPU artifacts: norms, rope and the K/V write in one kernel
+            q = torch.ops.pt2serve.rope_and_store(
+                qkv, cos, sin, write_cells, k_pool, v_pool,
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None,
+                self.q_norm.eps if self.q_norm is not None else 0.0, self.num_heads, self.num_kv_heads,
+            )
+        else:
+            q = self._rope_and_store(qkv, cos, sin, write_cells, k_pool, v_pool)
+        out = attend(q, k_pool, v_pool)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _rope_and_store(self, qkv, cos, sin, write_cells, k_pool, v_pool) -> torch.Tensor:
+        """The plain path (and the reference of kernels/rope_store.py): q [T, H, D], k and v into the cells."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -91,18 +116,19 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_pool.index_copy_(0, write_cells, k.to(k_pool.dtype))
         v_pool.index_copy_(0, write_cells, v.to(v_pool.dtype))
-        out = attend(q, k_pool, v_pool)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return q
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if type(self.gate_up_proj) is Linear:
+            return self.down_proj(swiglu_linear(x, self.gate_up_proj.weight))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # quantized: its own operator
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -133,7 +159,7 @@ def stacked_projections(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ..
 class Embedding(nn.Embedding):
     def attend(self, x: torch.Tensor) -> torch.Tensor:
         """The tied LM head: logits of x against every token's embedding."""
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class Transformer(nn.Module):
@@ -147,7 +173,7 @@ class Transformer(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )

@@ -7,20 +7,24 @@ whose constants are missing and silently accepts wrong shapes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
+import os
 import struct
+import threading
 import time
 import zipfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch._inductor.package.package import AOTICompiledModel
 from tqdm import tqdm
 
 from pt2serve.contract import (
+    CONTENT_HASH_SCHEME,
     DRAFT_CONTEXT,
     FORMAT_VERSION,
     FORWARD_OTHERS,
@@ -29,6 +33,7 @@ from pt2serve.contract import (
     SAMPLE_ARGMAX,
     TOKENIZER_RECORD,
     ContentHasher,
+    content_hash,
     draft_name,
     forward_name,
 )
@@ -39,6 +44,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "int64": torch.int64}
 _KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
+# Weights are read in pieces of this size: on the CPU straight into the weight's own tensor, on a GPU into one
+# of two pinned staging buffers per loading thread (the next piece is read while the last one is copied up).
+# Each piece is hashed right after it is read, while it is still in the CPU's cache.
+_PIECE_BYTES = 16 << 20
+_MAX_LOAD_THREADS = 16
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,10 @@ class LoadReport:
     load_seconds: float = 0.0
     weight_bytes: int = 0
     methods: tuple[str, ...] = ()
+    # The parts of load_seconds (weights and methods load at the same time, so they may sum to more):
+    weights_seconds: float = 0.0  # read, hash and copy every weight to the device
+    methods_seconds: float = 0.0  # open every compiled method
+    bind_seconds: float = 0.0  # hand the device weights to every method
 
 
 @dataclass
@@ -152,19 +166,34 @@ def load_artifact(
         check_machine(metadata, target)
         records = _check_records(archive, metadata, path)
         tokenizer_json = _tokenizer_json(archive)
-    weights = _load_weights(path, metadata, records, target, verify_hash, show_progress)
-    runners = {}
-    device_index = target.index if target.index is not None else (0 if target.type == "cuda" else -1)
-    for method in tqdm(metadata.method_names, desc="loading methods", disable=not show_progress):
-        runner = torch._C._aoti.AOTIModelPackageLoader(
-            str(path), metadata.internal_name(method), True, 1, device_index
-        )
+    # The weights load on a thread pool while this thread opens the methods (which reads the zip, unpacks
+    # each method's files and dlopens them: a second or two for ten methods).
+    located = _locate_weights(path, metadata, records)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pt2serve-weights") as background:
+        loading = background.submit(_load_weights, path, metadata, located, target, verify_hash, show_progress)
+        methods_started = time.perf_counter()
+        try:
+            device_index = target.index if target.index is not None else (0 if target.type == "cuda" else -1)
+            runners = {
+                method: torch._C._aoti.AOTIModelPackageLoader(
+                    str(path), metadata.internal_name(method), True, 1, device_index)
+                for method in metadata.method_names
+            }
+        except Exception:
+            loading.exception()  # a damaged weight explains more than the method loader's own error
+            raise
+        methods_seconds = time.perf_counter() - methods_started
+        weights, weights_seconds = loading.result()
+    bind_started = time.perf_counter()
+    for method, runner in runners.items():
         _bind_weights(runner, method, weights, path)
-        runners[method] = runner
     report = LoadReport(
         load_seconds=time.perf_counter() - started,
         weight_bytes=sum(t.numel() * t.element_size() for t in weights.values()),
         methods=metadata.method_names,
+        weights_seconds=weights_seconds,
+        methods_seconds=methods_seconds,
+        bind_seconds=time.perf_counter() - bind_started,
     )
     return Artifact(path, metadata, target, weights, runners, tokenizer_json, report)
 
@@ -246,6 +275,12 @@ def _read_metadata(archive: zipfile.ZipFile, path: Path) -> dict[str, Any]:
         raise Pt2ServeError(
             f"{path} has artifact format {raw['format_version']}, this pt2serve reads format {FORMAT_VERSION}; "
             "re-export it with this version"
+        )
+    scheme = raw.get("content_hash_scheme", 1)  # artifacts from before scheme 2 lack the field
+    if scheme not in range(1, CONTENT_HASH_SCHEME + 1) or isinstance(scheme, bool):
+        raise Pt2ServeError(
+            f"{path} has content hash scheme {scheme!r}, this pt2serve knows schemes 1 to {CONTENT_HASH_SCHEME}; "
+            "load it with the pt2serve that wrote it, or re-export it with this version"
         )
     malformed = _malformed_field(raw)
     if malformed:
@@ -345,42 +380,142 @@ def _check_records(archive: zipfile.ZipFile, metadata: Metadata, path: Path) -> 
     return records
 
 
+@dataclass(frozen=True)
+class _WeightRecord:
+    """Where one weight's bytes lie in the file, checked against what its metadata entry says they hold."""
+
+    name: str
+    dtype_name: str
+    shape: tuple[int, ...]
+    offset: int
+    num_bytes: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype_name]
+
+
 def _load_weights(
     path: Path,
     metadata: Metadata,
-    records: dict[str, zipfile.ZipInfo],
+    located: list[_WeightRecord],
     device: torch.device,
     verify_hash: bool,
     show_progress: bool,
-) -> dict[str, torch.Tensor]:
-    """Each weight read straight from its (uncompressed) record via mmap, checked, and moved to `device`."""
-    weights: dict[str, torch.Tensor] = {}
-    hasher = ContentHasher(metadata.raw["model_config"]) if verify_hash else None
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        entries = sorted(metadata.raw["weights"], key=lambda entry: entry["name"])
-        for entry in tqdm(entries, desc="loading weights", disable=not show_progress):
-            name, shape = entry["name"], tuple(entry["shape"])
-            dtype = _DTYPES[entry["dtype"]]
-            info = records[name]
-            expected_bytes = dtype.itemsize * _numel(shape)
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise Pt2ServeError(f"{path}: weight {name} is stored compressed, and weights are read in place "
-                                    "from the file; re-export it (or rewrite the zip without compression)")
-            if info.file_size != expected_bytes:
-                raise Pt2ServeError(f"{path}: weight {name} has {info.file_size} bytes, but its dtype and shape "
-                                    f"need {expected_bytes}; re-export it")
-            offset = _data_offset(mapped, info, path)
-            if offset + expected_bytes > len(mapped):
-                raise Pt2ServeError(f"{path} is truncated inside weight {name}; re-export it")
-            data = memoryview(mapped)[offset:offset + expected_bytes]
-            host = bytearray(data)
-            data.release()
-            if hasher is not None:
-                hasher.update(name, entry["dtype"], shape, host)
-            weights[name] = torch.frombuffer(host, dtype=torch.uint8).view(dtype).reshape(shape).to(device)
-    if hasher is not None and hasher.hexdigest() != metadata.raw["content_hash"]:
+) -> tuple[dict[str, torch.Tensor], float]:
+    """Every weight read from its (uncompressed) record, hashed and moved to `device` by a pool of threads
+    (file reads, sha256 and copies to the device all release the GIL); returns them and the seconds taken."""
+    started = time.perf_counter()
+    scheme = metadata.raw.get("content_hash_scheme", 1)
+    with open(path, "rb") as file:
+        reader = _WeightReader(file.fileno(), device, digest=verify_hash and scheme == CONTENT_HASH_SCHEME)
+        num_threads = min(_MAX_LOAD_THREADS, os.cpu_count() or 1, max(1, len(located)))
+        with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="pt2serve-weight") as pool, \
+                tqdm(total=sum(r.num_bytes for r in located), desc="loading weights", unit="B", unit_scale=True,
+                     disable=not show_progress) as progress:
+            # Scheme 1 is one serial sha256 stream: it runs beside the copies, reading the mapped file.
+            serial_hash = pool.submit(_scheme_1_hash, file.fileno(), metadata, located) \
+                if verify_hash and scheme == 1 else None
+            # Largest first, so that no big weight starts last and leaves the other threads idle.
+            loads: dict[str, Future] = {}
+            for record in sorted(located, key=lambda r: -r.num_bytes):
+                loads[record.name] = pool.submit(reader.read, record)
+                loads[record.name].add_done_callback(lambda _, n=record.num_bytes: progress.update(n))
+            loaded = {name: future.result() for name, future in loads.items()}
+            hash_found = serial_hash.result() if serial_hash is not None else None
+    if verify_hash and scheme == CONTENT_HASH_SCHEME:
+        hash_found = content_hash(metadata.raw["model_config"], {
+            r.name: (r.dtype_name, r.shape, loaded[r.name][1]) for r in located})
+    if verify_hash and hash_found != metadata.raw["content_hash"]:
         raise Pt2ServeError(f"{path}: weights do not match the artifact's content hash (tampered or damaged)")
-    return weights
+    weights = {r.name: loaded[r.name][0] for r in sorted(located, key=lambda r: r.name)}
+    return weights, time.perf_counter() - started
+
+
+def _locate_weights(path: Path, metadata: Metadata, records: dict[str, zipfile.ZipInfo]) -> list[_WeightRecord]:
+    """Each weight's place in the file, refused with a clear message where the record cannot hold it."""
+    with open(path, "rb") as file:
+        return [_locate_weight(file, entry, records[entry["name"]], path) for entry in metadata.raw["weights"]]
+
+
+def _locate_weight(file, entry: dict[str, Any], info: zipfile.ZipInfo, path: Path) -> _WeightRecord:
+    name, shape = entry["name"], tuple(entry["shape"])
+    expected_bytes = _DTYPES[entry["dtype"]].itemsize * _numel(shape)
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise Pt2ServeError(f"{path}: weight {name} is stored compressed, and weights are read in place "
+                            "from the file; re-export it (or rewrite the zip without compression)")
+    if info.file_size != expected_bytes:
+        raise Pt2ServeError(f"{path}: weight {name} has {info.file_size} bytes, but its dtype and shape "
+                            f"need {expected_bytes}; re-export it")
+    offset = _data_offset(os.pread(file.fileno(), _LOCAL_HEADER.size, info.header_offset), info, path)
+    if offset + expected_bytes > os.fstat(file.fileno()).st_size:
+        raise Pt2ServeError(f"{path} is truncated inside weight {name}; re-export it")
+    return _WeightRecord(name, entry["dtype"], shape, offset, expected_bytes)
+
+
+class _WeightReader:
+    """Reads one weight at a time per calling thread: piece by piece from the file, each piece hashed (sha256
+    of the whole weight) and, on a GPU, copied up from a pinned staging buffer on the thread's own stream."""
+
+    def __init__(self, fd: int, device: torch.device, digest: bool) -> None:
+        self._fd = fd
+        self._device = device
+        self._digest = digest
+        self._local = threading.local()  # per thread: its CUDA stream and two (pinned buffer, event) slots
+
+    def read(self, record: _WeightRecord) -> tuple[torch.Tensor, str | None]:
+        """The weight on the device, and the hex sha256 of its bytes (None when not hashing)."""
+        hasher = hashlib.sha256() if self._digest else None
+        on_host = self._device.type == "cpu"
+        target = torch.empty(record.num_bytes, dtype=torch.uint8, device=self._device)
+        host_view = memoryview(target.numpy()) if on_host else None
+        stream, slots = (None, None) if on_host else self._staging()
+        for index, start in enumerate(range(0, record.num_bytes, _PIECE_BYTES)):
+            length = min(_PIECE_BYTES, record.num_bytes - start)
+            if on_host:  # straight into the weight's own memory
+                piece = host_view[start:start + length]
+            else:
+                staging, copied = slots[index % 2]
+                copied.synchronize()  # the copy that last read this buffer is done
+                piece = memoryview(staging.numpy())[:length]
+            _read_exactly(self._fd, piece, record.offset + start)
+            if hasher is not None:
+                hasher.update(piece)
+            if not on_host:
+                with torch.cuda.stream(stream):
+                    target[start:start + length].copy_(staging[:length], non_blocking=True)
+                    copied.record(stream)
+        if stream is not None:
+            stream.synchronize()  # the weight is on the device before anyone uses it
+        weight = target.view(record.dtype).reshape(record.shape)
+        return weight, hasher.hexdigest() if hasher is not None else None
+
+    def _staging(self) -> tuple[torch.cuda.Stream, list[tuple[torch.Tensor, torch.cuda.Event]]]:
+        if not hasattr(self._local, "slots"):
+            self._local.stream = torch.cuda.Stream(device=self._device)
+            self._local.slots = [(torch.empty(_PIECE_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
+                                 for _ in range(2)]
+        return self._local.stream, self._local.slots
+
+
+def _read_exactly(fd: int, into: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(into):
+        count = os.preadv(fd, [into[done:]], offset + done)
+        if count == 0:
+            raise Pt2ServeError("the artifact ended inside a weight (it changed while loading?); re-export it")
+        done += count
+
+
+def _scheme_1_hash(fd: int, metadata: Metadata, located: list[_WeightRecord]) -> str:
+    """The serial content hash of artifacts written before CONTENT_HASH_SCHEME 2, read from the mapped file."""
+    hasher = ContentHasher(metadata.raw["model_config"])
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
+        for record in sorted(located, key=lambda r: r.name):
+            data = memoryview(mapped)[record.offset:record.offset + record.num_bytes]
+            hasher.update(record.name, record.dtype_name, record.shape, data)
+            data.release()
+    return hasher.hexdigest()
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -390,8 +525,8 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _data_offset(mapped: mmap.mmap, info: zipfile.ZipInfo, path: Path) -> int:
-    header = mapped[info.header_offset:info.header_offset + _LOCAL_HEADER.size]
+def _data_offset(header: bytes, info: zipfile.ZipInfo, path: Path) -> int:
+    """Where a record's data starts, from its local header (the 30 bytes at info.header_offset)."""
     if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
         raise Pt2ServeError(f"{path}: record {info.filename} is damaged; re-export it")
     fields = _LOCAL_HEADER.unpack(header)
@@ -407,6 +542,13 @@ def _bind_weights(runner, method: str, weights: dict[str, torch.Tensor], path: P
         raise Pt2ServeError(f"{path}: method {method} needs weights the package lacks: {', '.join(missing[:5])}")
     if needed:
         # user_managed: the method keeps pointers to our tensors, so every method shares one copy.
-        AOTICompiledModel(runner).load_constants(
-            {name: weights[name] for name in needed}, check_full_update=True, user_managed=True
-        )
+        constants = {name: weights[name] for name in needed}
+        try:
+            # The loader's own binding: (constants, use_inactive, check_full_update, user_managed). Its Python
+            # wrapper (AOTICompiledModel) lives in modules that import torch's compiler stack, seconds of
+            # start-up a served artifact never uses.
+            runner.load_constants(constants, False, True, True)
+        except TypeError:  # a torch whose binding differs: go through the wrapper
+            from torch._inductor.package.package import AOTICompiledModel
+
+            AOTICompiledModel(runner).load_constants(constants, check_full_update=True, user_managed=True)

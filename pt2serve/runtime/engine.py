@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,12 +33,14 @@ def open_runner(
     drafter: Drafter | None = None,
 ) -> Runner:
     """Load `path` onto `device` (default: what it was built for) and start its engine thread."""
-    artifact = load_artifact(path, device=device, show_progress=show_progress)
     if drafter is None and runner_config.speculate is Speculation.DFLASH:
         executor_config = replace(executor_config, draft=True)  # the runner drafts with the executor's draft
-    executor = Executor(artifact, executor_config)
-    tokenizer = artifact_tokenizer(artifact.tokenizer_json, artifact.metadata.raw.get("tokenizer"))
-    return Runner(executor, tokenizer, runner_config, drafter)
+    # The tokenizer (a second for a 128k vocabulary) is built beside the weights, which load on other threads.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pt2serve-tokenizer") as background:
+        tokenizer = background.submit(read_tokenizer, path)  # a bad path: load_artifact says why first
+        artifact = load_artifact(path, device=device, show_progress=show_progress)
+        executor = Executor(artifact, executor_config)
+        return Runner(executor, tokenizer.result(), runner_config, drafter)
 
 
 def describe_load(runner: Runner) -> str:
@@ -57,12 +60,34 @@ def describe_load(runner: Runner) -> str:
         speculation = (f"; speculating with {type(runner.drafter).__name__}, up to {runner.num_draft_tokens} drafts "
                        "per sequence and step")
     return (
-        f"loaded in {executor.artifact.report.load_seconds:.1f} s on {executor.device}: weights "
+        f"loaded in {_startup_seconds(executor):.1f} s on {executor.device} ({describe_startup(executor)}): weights "
         f"{_size(memory.weight_bytes)}, KV pool {_size(memory.pool_bytes)} for {memory.num_cells - 1:,} tokens "
         f"({memory.pool_sized_by}), {graphs}; steps of up to {budget.token_budget} tokens with up to "
         f"{budget.max_decode_sequences} decodes, prefill chunks of {budget.min_prefill_chunk} tokens or more"
         f"{speculation}"
     )
+
+
+def startup_parts(executor: Executor) -> dict[str, float]:
+    """Seconds of each part of loading, in order (weights and methods load at the same time)."""
+    load, memory = executor.artifact.report, executor.memory
+    return {"weights": load.weights_seconds, "methods": load.methods_seconds, "binding": load.bind_seconds,
+            "KV pool": memory.pool_seconds, "graph capture": memory.capture_seconds,
+            "total": _startup_seconds(executor)}
+
+
+def describe_startup(executor: Executor) -> str:
+    """Where the loading time went, e.g. `weights 1.2 s at 13.4 GB/s, methods 1.5 s beside them, ...`."""
+    parts = startup_parts(executor)
+    rate = executor.memory.weight_bytes / parts["weights"] / 1e9 if parts["weights"] else 0.0
+    return (f"weights {parts['weights']:.2f} s at {rate:.1f} GB/s, methods {parts['methods']:.2f} s beside them, "
+            f"binding {parts['binding']:.2f} s, KV pool {parts['KV pool']:.2f} s, "
+            f"graph capture {parts['graph capture']:.2f} s")
+
+
+def _startup_seconds(executor: Executor) -> float:
+    """The artifact's load, then the pool and graphs (the executor's setup); the tokenizer is built meanwhile."""
+    return executor.artifact.report.load_seconds + executor.memory.setup_seconds
 
 
 def _size(num_bytes: int) -> str:

@@ -19,6 +19,7 @@ back as the tokens its sequence emits (verify.py); the caller commits only those
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -209,7 +210,9 @@ class MemoryReport:
     graph_bytes: int
     num_cells: int  # with the scratch cell: the pool holds num_cells - 1 tokens
     pool_sized_by: str  # what set the pool's size, in words
+    pool_seconds: float  # sizing and allocating (zeroing) the pool
     capture_seconds: float
+    setup_seconds: float  # all of the executor's setup: the pool, the graphs and the rest
 
 
 class Executor:
@@ -221,12 +224,16 @@ class Executor:
         use_static = self.uses_cuda_graphs if config.use_static_methods is None else config.use_static_methods
         self.forward_sizes = meta.forward_sizes if use_static else ()  # () sends every step to forward_others
         self.max_step_tokens = meta.max_step_tokens
+        setup_started = pool_started = time.perf_counter()
         num_cells, sized_by = self._pool_size(config)
         cache = meta.cache
         with _out_of_memory_explained(f"allocating a KV pool of {num_cells} cells"):
             self._pool_storage, k_pools, v_pools = allocate_kv_pools(
                 cache["num_layers"], num_cells, cache["num_kv_heads"], cache["head_dim"], meta.kv_dtype, self.device
             )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the pool is zeroed on the device: count that here
+        pool_seconds = time.perf_counter() - pool_started
         self.pools = [*k_pools, *v_pools]
         self.allocator = CellAllocator(num_cells)
         self.logits_processor = LogitsProcessor(meta.vocab_size, self.device, self._to_device)
@@ -255,7 +262,9 @@ class Executor:
             graph_bytes=max(0, free_before - _free_device_bytes(self.device)) if self.uses_cuda_graphs else 0,
             num_cells=num_cells,
             pool_sized_by=sized_by,
+            pool_seconds=pool_seconds,
             capture_seconds=capture_seconds,
+            setup_seconds=time.perf_counter() - setup_started,
         )
 
     def _pool_size(self, config: ExecutorConfig) -> tuple[int, str]:

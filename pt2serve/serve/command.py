@@ -78,6 +78,9 @@ def serve_artifact_command(
         fail(f"--max-sessions must not be negative, got {max_sessions}")
     if not artifact.is_file():
         fail(f"{artifact} does not exist or is not a file")
+    from pt2serve.prefetch import prefetch
+
+    prefetch(artifact)  # the file comes off the disk while torch and the server are imported
 
     import uvicorn
 

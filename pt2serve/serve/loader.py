@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -54,7 +55,9 @@ class BackgroundLoader:
             time.sleep(0.02)
         if self._server.started:
             if self._describe is not None:
-                print(self._describe(runner), flush=True)
+                since_launch = seconds_since_launch()  # imports and the server's start, then the load above
+                launch = f"; ready {since_launch:.1f} s after launch" if since_launch is not None else ""
+                print(self._describe(runner) + launch, flush=True)
             print(self._ready_message(self._url()), flush=True)
 
     def _stop(self, message: str) -> None:
@@ -70,3 +73,15 @@ class BackgroundLoader:
         if ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{port}"
+
+
+def seconds_since_launch() -> float | None:
+    """How long this process has run (Linux: from /proc), so imports and server start count too; else None."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            # The process's start time, in clock ticks after boot: field 22, counted after the ")" that ends
+            # the command name (which may itself hold spaces).
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -18,6 +18,7 @@ import torch
 
 from pt2serve.bench.roofline import measure_limits
 from pt2serve.kernels import cell_attention as ops
+from pt2serve.kernels.graph_timing import graph_replay_ms
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DEVICE = "cuda"
@@ -67,24 +68,7 @@ def reference(step) -> torch.Tensor:
 
 def graph_ms(fn, iters: int = 20, calls: int = 16) -> float:
     """Median ms of one `fn`, `calls` of them captured back to back in a CUDA graph (as a step's layers run)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return float(np.median(times))
+    return graph_replay_ms(lambda: [fn() for _ in range(calls)], iters) / calls
 
 
 def copy_bandwidth() -> float:

@@ -2,19 +2,21 @@
 # GPU: every 8B check that shares one export, in one detached chain, longer than one device call allows.
 #   setsid nohup scripts/device/chain_8b.sh > /dev/null 2>&1 &     then poll:     scripts/device/chain_8b.sh --poll
 # It copies the repo to /tmp/chain/repo (later calls may rewrite the working tree under it), exports the
-# llama-3.1-8b preset once to /tmp/model.pt2, then runs, each logged to /tmp/chain/NAME.log:
-#   quant-kernels  the int8/int4 linear kernels on the 8B shapes (quiet GPU: timings)
-#   serving        scripts/device/serving_8b.sh (in process, HTTP, request rates, token budgets)
-#   prefix         scripts/device/prefix_reuse.sh on the 8B (multi-turn chat, prefix cache on and off)
-#   speculate      scripts/device/speculate.sh (verify cost for k = 3, 7, 15; n-gram against none)
-#   soak           scripts/device/soak_8b.sh (10 minutes), and beside it the checks whose timings do not count:
-#   api            scripts/device/api_check.sh (tiny, fp32: device logprobs, penalties, n, grammar)
-#   quant-toy      toy-greedy int8 / int4 method and width checks (quant_8b.sh step 2)
+# llama-3.1-8b preset once to /tmp/model.pt2 (matmul kernels tuned; if that export fails, once more without
+# tuning), then runs, each logged to /tmp/chain/NAME.log:
+#   method-8b   every compiled method of the 8B against the eager model (the tuned kernels on real shapes)
+#   sweep       bench sweep of decode widths and two wide steps, then the kernel profile of T = 1, 32, 64
+#   matmuls     scripts/device/matmul_floor.py: a step's weight matmuls, cuBLAS vs the chosen kernels vs floor
+#   serving     scripts/device/serving_8b.sh, in process and through HTTP (with launch-to-ready) only
+#   soak        scripts/device/soak_8b.sh (10 minutes), and beside it the checks whose timings do not count:
+#   cuda-tests  the tests marked cuda (scripts/device/cuda_tests.sh)
+#   tuned-small toy-greedy (bf16) and llama-3.2-1b (fp32) exported with tuned kernels: width and method checks,
+#               and the toy's graph memory (every width against the widest alone)
 # Serving needs the wheels in .whl/ (see serving_8b.sh). --poll prints each step's state and its log's tail and
 # packs /tmp/chain into $OUT/chain.tar.gz.
 set -uo pipefail
 CHAIN=/tmp/chain
-STEPS=(export quant-kernels serving prefix speculate soak api quant-toy)
+STEPS=(export method-8b sweep matmuls serving soak cuda-tests tuned-small)
 
 if [ "${1:-}" = "--poll" ]; then
   for step in "${STEPS[@]}"; do
@@ -43,18 +45,37 @@ run() {  # NAME COMMAND...: one step, its output in $CHAIN/NAME.log and its own 
 export_8b() {
   mkdir -p "$OUT"
   python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache --preset "$PRESET" --max-context 4096 \
-    -o "$ARTIFACT"
+    -o "$ARTIFACT" || { echo "== the tuned export failed: once more without tuning"; python3 -m pt2serve.cli export \
+    --backend cuda --use-offgraph-kv-cache --preset "$PRESET" --max-context 4096 --no-tune-matmuls -o "$ARTIFACT"; }
+  python3 -m pt2serve.cli inspect "$ARTIFACT"
+}
+
+sweep() {
+  python3 -m pt2serve.cli bench "$ARTIFACT" --mode sweep --tokens 1,2,4,8,16,32,64,1024,4096 --warmup 3 --iters 10 \
+    --json "$OUT/sweep.json" 2>&1 | grep -v "Warning\|warn("
+  python3 scripts/device/profile_step.py "$ARTIFACT" 1 32 64 2>&1 | grep -v "USDT\|Warning"
+}
+
+tuned_small() {  # correctness of tuned exports in both dtypes: designed tokens (toy) and methods vs eager (1B)
+  python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache --preset toy-greedy --max-context 512 \
+    --max-step-tokens 256 -o /tmp/toy-tuned.pt2 && python3 -m pt2serve.cli inspect /tmp/toy-tuned.pt2 | grep -i matmul \
+    && timeout 180 python3 scripts/device/graphs_check.py /tmp/toy-tuned.pt2 | tail -8 \
+    && timeout 120 python3 scripts/device/graph_memory.py /tmp/toy-tuned.pt2
+  python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache --preset llama-3.2-1b --dtype fp32 \
+    --max-context 1024 --forward-sizes 1,4,16,64 -o /tmp/1b-fp32.pt2 \
+    && python3 -m pt2serve.cli inspect /tmp/1b-fp32.pt2 | grep -i matmul \
+    && timeout 180 python3 scripts/device/method_check.py /tmp/1b-fp32.pt2 llama-3.2-1b
 }
 
 run export export_8b
 [ -f "$ARTIFACT" ] || exit 1
-run quant-kernels env STEPS=1 scripts/device/quant_8b.sh
-run serving scripts/device/serving_8b.sh
-run prefix scripts/device/prefix_reuse.sh
-run speculate scripts/device/speculate.sh
+run method-8b timeout 300 python3 scripts/device/method_check.py "$ARTIFACT" "$PRESET"
+run sweep sweep
+run matmuls timeout 180 python3 scripts/device/matmul_floor.py "$ARTIFACT" "$PRESET"
+run serving env RATES= BUDGETS= scripts/device/serving_8b.sh
 run soak scripts/device/soak_8b.sh &
 soak=$!
 sleep 120   # the soak's server is up and past its warm-up before the side checks start
-run api scripts/device/api_check.sh
-run quant-toy env STEPS=2 scripts/device/quant_8b.sh
+run cuda-tests scripts/device/cuda_tests.sh
+run tuned-small tuned_small
 wait $soak

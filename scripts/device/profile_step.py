@@ -2,7 +2,8 @@
 
 Usage: python scripts/device/profile_step.py ARTIFACT.pt2 [WIDTH ...]
 For each width, decodes that many sequences at context 64 for a few steps under torch.profiler and prints
-the kernels that took the most GPU time per step, with their share of the step (on a CPU: operators).
+the kernels that took the most GPU time per step, with their share of the step, and how many kernels a step
+runs (on a CPU: operators).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.runtime.step import Chunk
 
-CONTEXT, STEPS, TOP = 64, 5, 12
+CONTEXT, STEPS, TOP = 64, 5, 16
 
 
 def profile_width(executor: Executor, width: int) -> None:
@@ -38,7 +39,8 @@ def profile_width(executor: Executor, width: int) -> None:
 
     events = sorted((e for e in prof.key_averages() if spent(e) > 0), key=spent, reverse=True)
     total = sum(spent(e) for e in events) / STEPS
-    print(f"T={width}: {total / 1000:.2f} ms of kernels per step")
+    launches = sum(e.count for e in events) // STEPS
+    print(f"T={width}: {total / 1000:.2f} ms of kernels per step, {launches} kernels")
     print(f"  {'kernel':<70} {'calls':>5} {'ms/step':>8} {'share':>6}")
     for e in events[:TOP]:
         per_step = spent(e) / STEPS

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ if "--cpu-smoke" in sys.argv:  # read when Triton is imported: before anything i
 import torch  # noqa: E402
 
 from pt2serve.kernels import quant_linear_triton as kernels  # noqa: E402  (registers the op)
+from pt2serve.kernels.graph_timing import graph_replay_ms  # noqa: E402
 from pt2serve.kernels.quant_linear import pack, reference_quant_linear  # noqa: E402
 
 GPU_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
@@ -78,27 +78,7 @@ def time_ms(calls: list[Callable[[], object]], device: str) -> float:
         for call in calls:
             call()
         return (time.perf_counter() - start) * 1e3 / len(calls)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls[:2]:  # compile and warm up outside the graph
-            call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    del graph
-    return statistics.median(times)
+    return graph_replay_ms(lambda: [call() for call in calls], REPLAYS) / len(calls)
 
 
 def read_bandwidth(device: str) -> float:

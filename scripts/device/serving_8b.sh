@@ -14,15 +14,16 @@ export CXX=/usr/bin/g++   # the image's default g++ carries its own libstdc++, a
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PRESET=${PRESET:-llama-3.1-8b}
 ARTIFACT=${ARTIFACT:-/tmp/model.pt2}
-BUDGETS=${BUDGETS:-512 1024 2048 4096}
+BUDGETS=${BUDGETS-512 1024 2048 4096}   # empty: none
 PORT=${PORT:-8321}
-RATES=${RATES:-8,16,32,64}   # offered request rates (Poisson) for the saturation sweep through the server
+RATES=${RATES-8,16,32,64}   # offered request rates (Poisson) for the saturation sweep through the server; empty: none
 OUT=${OUT:-/tmp/pt2serve-out}; mkdir -p "$OUT"
 rm -f "$OUT"/in-process-*.json "$OUT/http-default.json" "$OUT/server.log"  # the table shows this run's only
 REQUESTS=${REQUESTS:-64} PROMPT_TOKENS=${PROMPT_TOKENS:-512} NEW_TOKENS=${NEW_TOKENS:-128}
 WORKLOAD=(--mode requests --requests "$REQUESTS" --prompt-tokens "$PROMPT_TOKENS" --max-new-tokens "$NEW_TOKENS")
 
 source scripts/device/server_wheels.sh
+source scripts/device/serve_ready.sh
 export PYTHONPATH=$PYTHONPATH${SERVER_SITE:+:$SERVER_SITE}
 
 if [ -f "$ARTIFACT" ]; then
@@ -50,18 +51,13 @@ run_bench() {  # NAME ARGS...: one workload run, its JSON in $OUT/NAME.json, at 
 run_bench in-process-default "$ARTIFACT"
 
 echo "== server on 127.0.0.1:$PORT"
-python3 -m pt2serve.cli serve-artifact "$ARTIFACT" --host 127.0.0.1 --port "$PORT" >"$OUT/server.log" 2>&1 &
-server=$!
-launched=$(date +%s)
-until grep -q "(ready)" "$OUT/server.log"; do
-  if ! kill -0 "$server" 2>/dev/null || [ "$(left)" -lt 60 ]; then echo "the server did not come up"; break; fi
-  sleep 1
-done
+start_server "$OUT/server.log" "$ARTIFACT" --host 127.0.0.1 --port "$PORT"
+wait_ready "http://127.0.0.1:$PORT" $(( $(left) - 60 )) || echo "the server did not come up"
 cat "$OUT/server.log"
-if grep -q "(ready)" "$OUT/server.log"; then
-  echo "serve-artifact ready after $(( $(date +%s) - launched )) s (launch to ready: weights, pool, graphs)"
+if [ -n "$ready_s" ]; then
+  echo "serve-artifact ready after $ready_s s (launch to the first 200 from /health: weights, pool, graphs)"
   run_bench http-default --url "http://127.0.0.1:$PORT"
-  run_bench http-rates --url "http://127.0.0.1:$PORT" --request-rates "$RATES"
+  [ -n "$RATES" ] && run_bench http-rates --url "http://127.0.0.1:$PORT" --request-rates "$RATES"
 fi
 kill -INT "$server" 2>/dev/null; wait "$server" 2>/dev/null
 

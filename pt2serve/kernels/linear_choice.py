@@ -1,0 +1,138 @@
+"""Which kernel computes each weight matmul of a narrow step, chosen at export and traced into the method.
+
+A decode step's matmuls are bound by reading the weights: the best kernel streams each weight once at the
+memory bandwidth and starts and ends quickly, since a step runs four per layer back to back. cuBLAS is close
+on large weights and loses microseconds per call on small ones; which kernel wins depends on the shape and
+the width, so the exporter times them on the GPU (export/linear_tuning.py) and the model traces the winner of
+each (kind, N, K, M, dtype) into the method. `LinearChoices` maps those keys to a launch config of the Triton
+kernels in small_m_linear.py; a shape without an entry stays a plain matmul (cuBLAS). Nothing is tuned at
+load: the config is part of the traced call.
+
+This module needs no Triton: the model imports it on machines without one, and only a chosen key loads the
+kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+SMALL_M_MAX = 64
+GEMV_M_MAX = 4  # the gemv kernel's products grow with M: wider, tensor cores do the multiply
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tiles and launch shape of one small-M kernel call."""
+
+    use_dot: bool  # tl.dot on tensor cores, or the gemv kernel's multiply and sum
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+
+    @property
+    def name(self) -> str:
+        return (f"{'dot' if self.use_dot else 'gemv'} m{self.block_m} n{self.block_n} k{self.block_k} "
+                f"w{self.num_warps} s{self.num_stages}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# gemv holds BLOCK_M x BLOCK_N x BLOCK_K fp32 products per program (two sets with SwiGLU): at most this many
+# per 128 threads keeps them in registers.
+GEMV_PRODUCTS_MAX = 8192
+# A few tiles per kind: each config is one Triton compile (about half a second) at export.
+GEMV_TILES = ((8, 256), (8, 512), (16, 256), (4, 1024))  # block_n, block_k
+DOT_TILES = ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4))  # block_n, block_k, warps, stages
+
+
+def candidates(num_rows: int, swiglu: bool) -> list[LaunchConfig]:
+    """The launch configs worth timing for M = num_rows <= SMALL_M_MAX."""
+    configs = []
+    if num_rows <= GEMV_M_MAX:
+        block_m = _next_power_of_2(num_rows)
+        products_per_tile = 2 if swiglu else 1
+        for block_n, block_k in GEMV_TILES:
+            for num_warps in (4, 8):
+                if block_m * block_n * block_k * products_per_tile <= GEMV_PRODUCTS_MAX * num_warps // 4:
+                    configs.append(LaunchConfig(False, block_m, block_n, block_k, num_warps))
+    block_m = max(16, _next_power_of_2(num_rows))
+    for block_n, block_k, num_warps, num_stages in DOT_TILES:
+        configs.append(LaunchConfig(True, block_m, block_n, block_k, num_warps, num_stages))
+    return configs
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def choice_key(kind: str, n: int, k: int, num_rows: int, dtype: torch.dtype) -> str:
+    """kind is "linear" or "swiglu"; n is the weight's rows."""
+    return f"{kind} {n}x{k} m{num_rows} {str(dtype).removeprefix('torch.')}"
+
+
+class LinearChoices:
+    """The kernel the export chose for each key it timed; keys it lacks stay plain matmuls."""
+
+    def __init__(self, configs: dict[str, LaunchConfig]) -> None:
+        self.configs = configs
+
+    def lookup(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> LaunchConfig | None:
+        num_rows = x.shape[0]
+        if not self.configs or x.dim() != 2 or not is_concrete_int(num_rows) or int(num_rows) > SMALL_M_MAX:
+            return None  # forward_others' width is data: it keeps the plain matmul
+        return self.configs.get(choice_key(kind, weight.shape[0], weight.shape[1], int(num_rows), x.dtype))
+
+    def to_dict(self) -> dict[str, dict]:
+        return {key: config.to_dict() for key, config in self.configs.items()}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, dict]) -> "LinearChoices":
+        return cls({key: LaunchConfig(**fields) for key, fields in raw.items()})
+
+
+_active = LinearChoices({})
+
+
+@contextlib.contextmanager
+def using(choices: LinearChoices) -> Iterator[None]:
+    """Trace the model with these choices (read at trace time by `linear` and `swiglu_linear`)."""
+    global _active
+    previous, _active = _active, choices
+    try:
+        yield
+    finally:
+        _active = previous
+
+
+def _call(x: torch.Tensor, weight: torch.Tensor, swiglu: bool, config: LaunchConfig) -> torch.Tensor:
+    from pt2serve.kernels import small_m_linear  # noqa: F401  (registers torch.ops.pt2serve.small_m_linear)
+
+    return torch.ops.pt2serve.small_m_linear(x, weight, swiglu, config.use_dot, config.block_m, config.block_n,
+                                             config.block_k, config.num_warps, config.num_stages)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the small-M kernel where the export chose it for this shape and width."""
+    config = _active.lookup("linear", x, weight)
+    if config is None:
+        return F.linear(x, weight, bias)
+    out = _call(x, weight, False, config)
+    return out if bias is None else out + bias
+
+
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a stacked gate/up projection weight [2I, K]: one fused kernel where chosen."""
+    config = _active.lookup("swiglu", x, weight)
+    if config is None:
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return _call(x, weight, True, config)
