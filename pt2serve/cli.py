@@ -13,6 +13,7 @@ from rich.table import Table
 
 from pt2serve.errors import Pt2ServeError
 from pt2serve.export.defaults import (
+    DEFAULT_DRAFT_SIZES,
     DEFAULT_FORWARD_SIZES,
     DEFAULT_GRAPH_ENTRIES,
     DEFAULT_MAX_CELLS,
@@ -87,6 +88,13 @@ def export_command(
     quantize_embedding: bool = typer.Option(
         False, "--quantize-embedding", help="Quantize the input embedding too (with tied embeddings: the shared matrix)."
     ),
+    draft: Optional[Path] = typer.Option(
+        None, help="A DFlash draft checkpoint directory (z-lab layout) to export into the same artifact, for "
+        "serving with --speculate dflash."
+    ),
+    draft_sizes: str = typer.Option(
+        ",".join(map(str, DEFAULT_DRAFT_SIZES)), help="With --draft: sequences per static draft method, increasing."
+    ),
     tune_matmuls: bool = typer.Option(
         True, "--tune-matmuls/--no-tune-matmuls",
         help="cuda: time the small-step matmul kernels against cuBLAS for each weight shape and static width, "
@@ -108,6 +116,7 @@ def export_command(
         max_context=max_context, graph_entries=graph_entries, min_prefill_chunk=min_prefill_chunk, jobs=jobs,
         device_index=device_index, quantize=quantize, group_size=group_size, quantize_lm_head=quantize_lm_head,
         quantize_embedding=quantize_embedding, tune_matmuls=tune_matmuls, revision=revision, hf_token=hf_token,
+        draft=draft, draft_sizes=parse_sizes(draft_sizes),
     )
     try:
         summary = export(options)
@@ -155,6 +164,7 @@ def inspect_command(
         ("weights", f"{len(meta['weights'])} tensors"),
         ("quantization", describe_quantization_record(meta.get("quantization"))),
         ("small-step matmuls", describe_linear_kernels(meta.get("linear_kernels"))),
+        ("draft", describe_draft_record(meta.get("draft"))),
         ("tokenizer", "yes" if meta.get("tokenizer") else "no (token ids only)"),
         ("built with", f"torch {built['torch']}, cuda {built['cuda']}, {built.get('gpu_arch') or 'cpu'}"),
         ("content hash", meta["content_hash"]),
@@ -163,6 +173,16 @@ def inspect_command(
     for key, value in rows:
         table.add_row(key, str(value))
     console.print(table)
+
+
+def describe_draft_record(record: dict | None) -> str:
+    """One line for `inspect`: the DFlash draft's shape and how it drafts."""
+    if record is None:
+        return "none"
+    cache = record["cache"]
+    return (f"dflash from {record['source']}: {cache['num_layers']} layers, block {record['block_size']}, "
+            f"mask token {record['mask_token_id']}, taps layers {record['target_layer_ids']}, "
+            f"draft sizes {', '.join(map(str, record['sizes']))}")
 
 
 def describe_linear_kernels(record: dict | None) -> str:

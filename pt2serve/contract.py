@@ -30,6 +30,7 @@ SAMPLE = "sample"
 SAMPLE_ARGMAX = "sample_argmax"
 ACCEPT_DRAFTS = "accept_drafts"
 ACCEPT_DRAFTS_SAMPLED = "accept_drafts_sampled"
+DRAFT_CONTEXT = "draft_context"
 
 # Inputs of every forward method, in order, followed by the K pools then the V pools (one per layer).
 # forward_N takes exactly N tokens; forward_others takes 2 .. max_step_tokens + 1 (one padding token
@@ -51,10 +52,26 @@ FORWARD_INPUTS = (
 # `accept_drafts_sampled` takes those, then per sequence temperature, top_p, top_k, and per row an acceptance
 # draw and a sampling draw [S, K1] fp32. Both return num_accepted [S] and ids [S, K1] (int64): a sequence emits
 # its first num_accepted + 1 ids.
+#
+# A DFlash draft (metadata "draft"; artifacts without one have none of this): every forward method then
+# returns (logits, taps), taps [T, len(target_layer_ids) * hidden] being the step's tokens' hidden states
+# after the tapped target layers. The draft has its own cell pool (K pools then V pools, one per draft
+# layer, [cells, draft kv heads, draft head dim]) whose cells 0 .. target cells - 1 mirror the target's (a
+# position's draft context lives in the draft cell of the same id as its target cell), followed by
+# block_size block cells per draft sequence slot.
+# `draft_context` takes taps, positions [T], write_cells [T], then the draft pools: it writes the draft
+# context of those positions (returns a dummy [1]).
+# `draft_S` (S sequences) takes last_tokens [S] (each sequence's newest known token), seq_indptr [S+1] and
+# seq_cells [E] (each sequence's context cells for positions 0 .. n-1, then its slot's block_size block
+# cells), then the draft pools; it returns the drafts [S, block_size - 1] (int64, argmax).
 
 
 def forward_name(width: int) -> str:
     return f"forward_{width}"
+
+
+def draft_name(num_seqs: int) -> str:
+    return f"draft_{num_seqs}"
 
 
 def internal_model_name(index: int) -> str:

@@ -89,14 +89,14 @@ def kv_pool(num_cells: int | None, kv_memory_fraction: float | None) -> dict[str
     return {name: value for name, value in given.items() if value is not None}
 
 
-SPECULATION_METHODS = ("none", "ngram")
+SPECULATION_METHODS = ("none", "ngram", "dflash")
 
 
 def speculate_option() -> Any:
     return typer.Option(
-        None, help="Speculative decoding: none, or ngram (drafts from the request's own prompt and output, where its "
-        "last tokens occurred before). Each step verifies a sequence's drafts with its pending token, so it may emit "
-        "several tokens; greedy output is unchanged and sampled output keeps its distribution. Requests with "
+        None, help="Speculative decoding: none; ngram (drafts from the request's own prompt and output, where its "
+        "last tokens occurred before); or dflash (the artifact's DFlash draft model, exported with --draft). Each "
+        "step verifies a sequence's drafts with its pending token, so it may emit several tokens; greedy output is unchanged and sampled output keeps its distribution. Requests with "
         "structured output, logprobs, penalties, logit_bias, min_tokens or n > 1 decode plainly (default: none)."
     )
 
@@ -104,7 +104,7 @@ def speculate_option() -> Any:
 def num_draft_tokens_option() -> Any:
     return typer.Option(
         None, help="With --speculate: tokens drafted and verified per sequence and step, at most the artifact's widest "
-        "static width minus one (default: the runner's, 4)."
+        "static width minus one (and, for dflash, the draft's block_size minus one) (default: the runner's, 4)."
     )
 
 
@@ -116,7 +116,7 @@ def speculation(speculate: str | None, num_draft_tokens: int | None) -> dict[str
         raise Pt2ServeError(f"--speculate must be one of {', '.join(SPECULATION_METHODS)}, got {speculate!r}")
     if num_draft_tokens is not None:
         if speculate in (None, "none"):
-            raise Pt2ServeError("--num-draft-tokens applies with --speculate ngram only")
+            raise Pt2ServeError("--num-draft-tokens applies with --speculate ngram or dflash only")
         if num_draft_tokens < 1:
             raise Pt2ServeError(f"--num-draft-tokens must be at least 1, got {num_draft_tokens}")
     given: dict[str, Any] = {"num_draft_tokens": num_draft_tokens}

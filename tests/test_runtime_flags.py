@@ -68,8 +68,8 @@ def test_serve_flags_left_out_keep_the_runtime_defaults(tiny_artifact, captured_
         (["--kv-memory-fraction", "1.5"], "kv_memory_fraction must be in (0, 0.95]"),
         (["--kv-memory-fraction", "0"], "kv_memory_fraction must be in (0, 0.95]"),
         (["--session-pin-seconds", "-1"], "--session-pin-seconds must be a number of seconds >= 0, got -1.0"),
-        (["--speculate", "eagle"], "--speculate must be one of none, ngram, got 'eagle'"),
-        (["--num-draft-tokens", "3"], "--num-draft-tokens applies with --speculate ngram only"),
+        (["--speculate", "eagle"], "--speculate must be one of none, ngram, dflash, got 'eagle'"),
+        (["--num-draft-tokens", "3"], "--num-draft-tokens applies with --speculate ngram or dflash only"),
         (["--speculate", "ngram", "--num-draft-tokens", "0"], "--num-draft-tokens must be at least 1, got 0"),
     ],
 )

@@ -17,11 +17,19 @@ from typing import Iterator
 import torch
 import torch._inductor
 
-from pt2serve.contract import ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED
-from pt2serve.export.methods import MethodSpec, trace_acceptor, trace_forward, trace_sampler
+from pt2serve.contract import ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED, DRAFT_CONTEXT
+from pt2serve.export.methods import (
+    MethodSpec,
+    trace_acceptor,
+    trace_draft_block,
+    trace_draft_context,
+    trace_forward,
+    trace_sampler,
+)
 from pt2serve.kernels.linear_choice import LinearChoices, using
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
+from pt2serve.model.dflash import attach_draft
 from pt2serve.model.model import Transformer
 from pt2serve.model.quant import QuantScheme
 
@@ -40,6 +48,8 @@ class CompileJob:
     attention: AttentionImpl
     quantize: QuantScheme | None = None
     linear_choices: dict | None = None  # LinearChoices.to_dict(): the small-M kernels the export chose
+    draft: str | None = None  # a DFlash draft directory: the model taps its layers and holds the draft
+    max_draft_cells: int = 0  # the draft pool's largest cell count (with a draft)
 
 
 def inductor_options() -> dict:
@@ -59,9 +69,12 @@ def _init_worker(threads_per_worker: int) -> None:
 @functools.cache
 def _worker_model(
     checkpoint: str | None, preset: str | None, dtype: torch.dtype, device: str, attention: AttentionImpl,
-    quantize: QuantScheme | None,
+    quantize: QuantScheme | None, draft: str | None,
 ) -> Transformer:
-    return load_model(checkpoint, preset, dtype, device, attention, quantize).model.eval()
+    model = load_model(checkpoint, preset, dtype, device, attention, quantize).model.eval()
+    if draft is not None:
+        attach_draft(model, draft)
+    return model
 
 
 def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[str, list]:
@@ -75,10 +88,15 @@ def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[s
 
 def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, list]:
     if model is None:
-        model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.attention, job.quantize)
+        model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.attention, job.quantize,
+                              job.draft)
     if job.spec.name.startswith("forward"):
         with using(LinearChoices.from_dict(job.linear_choices or {})):
             program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)
+    elif job.spec.name == DRAFT_CONTEXT:
+        program, args = trace_draft_context(model, job.max_step_tokens, job.max_draft_cells)
+    elif job.spec.num_seqs is not None:
+        program, args = trace_draft_block(model, job.spec, job.max_draft_cells)
     elif job.spec.name in (ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED):
         program, args = trace_acceptor(job.spec, model.config.vocab_size, job.device)
     else:

@@ -11,3 +11,6 @@ DEFAULT_MAX_CELLS = 2**40
 # path gathers every entry, so there it bounds each static step's cost too.
 DEFAULT_GRAPH_ENTRIES = 65536
 DEFAULT_MIN_PREFILL_CHUNK = 32
+# Sequences per static DFlash draft method (--draft-sizes): a step drafts its speculating sequences in calls
+# of the narrowest size that holds them.
+DEFAULT_DRAFT_SIZES = (1, 2, 4, 8)

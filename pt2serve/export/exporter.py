@@ -14,12 +14,13 @@ import pt2serve
 from pt2serve.contract import CONTENT_HASH_SCHEME, FORMAT_VERSION, internal_model_name
 from pt2serve.export.compile import CompileJob, compile_all
 from pt2serve.export.linear_tuning import describe, tune
-from pt2serve.export.methods import method_specs
+from pt2serve.export.methods import draft_specs, method_specs
 from pt2serve.export.options import ExportOptions
 from pt2serve.export.toolchain import libstdcxx_mismatch, warn_about
 from pt2serve.export.package import weight_entries, weights_hash, write_package
 from pt2serve.kernels.linear_choice import LinearChoices
 from pt2serve.model.checkpoint import load_model
+from pt2serve.model.dflash import DFlashDraft, attach_draft
 from pt2serve.model.hub import resolve_checkpoint
 from pt2serve.model.model import Transformer
 from pt2serve.model.quant import describe_quantization
@@ -54,10 +55,17 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
         choices, timings = tune(model, options.forward_sizes, show_progress)
         tuning = describe(model, timings) | {"choices": choices.to_dict()}
     specs = method_specs(options.forward_sizes, lambda width: options.entries_for(width, max_context))
+    draft, max_draft_cells = None, 0
+    if options.draft is not None:
+        draft = attach_draft(model, options.draft)  # checks the draft against the target before any compile
+        block = draft.config.block_size
+        specs += draft_specs(options.draft_sizes, lambda n: options.draft_entries_for(n, max_context, block))
+        max_draft_cells = options.max_cells + 1 + max(options.draft_sizes) * block
     jobs = [
         CompileJob(spec, checkpoint, options.preset, options.torch_dtype, options.device,
                    options.max_step_tokens, options.max_cells, options.attention_impl, options.quant_scheme,
-                   choices.to_dict())
+                   choices.to_dict(), str(options.draft) if options.draft is not None else None,
+                   max_draft_cells)
         for spec in specs
     ]
     internal = {spec.name: internal_model_name(i) for i, spec in enumerate(specs)}
@@ -84,6 +92,8 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     metadata["built_with"]["libstdcxx_mismatch"] = mismatch
     metadata["quantization"] = describe_quantization(model, loaded.quantization_method)
     metadata["linear_kernels"] = tuning
+    if draft is not None:
+        metadata["draft"] = draft_metadata(draft, options)
     write_package(options.output, aoti_files, weights, metadata, tokenizer.tokenizer_json if tokenizer else None)
     return ExportSummary(
         methods=tuple(spec.name for spec in specs),
@@ -133,15 +143,35 @@ def build_metadata(
         "dtype": options.dtype_name,
         "backend": options.backend,
         "attention": options.attention_impl.value,
-        "methods": {
-            spec.name: {"internal_name": internal[spec.name], "width": spec.width, "num_entries": spec.num_entries}
-            for spec in specs
-        },
+        "methods": {spec.name: method_metadata(spec, internal[spec.name]) for spec in specs},
         "weights": weight_entries(weights),
         "content_hash": weights_hash(config, weights),
         "content_hash_scheme": CONTENT_HASH_SCHEME,
         "tokenizer": tokenizer.to_dict() if tokenizer else None,
         "built_with": build_environment(options),
+    }
+
+
+def method_metadata(spec, internal_name: str) -> dict[str, Any]:
+    entry = {"internal_name": internal_name, "width": spec.width, "num_entries": spec.num_entries}
+    if spec.num_seqs is not None:
+        entry["num_seqs"] = spec.num_seqs
+    return entry
+
+
+def draft_metadata(draft: DFlashDraft, options: ExportOptions) -> dict[str, Any]:
+    """What the runtime needs of a DFlash draft: how it drafts and its cell pool's geometry."""
+    cfg = draft.config
+    return {
+        "kind": "dflash",
+        "source": str(options.draft),
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "sizes": sorted(options.draft_sizes),
+        "cache": {"num_layers": cfg.layers.num_layers, "num_kv_heads": cfg.layers.num_kv_heads,
+                  "head_dim": cfg.layers.head_dim, "dtype": options.dtype_name},
+        "config": cfg.to_dict(),
     }
 
 

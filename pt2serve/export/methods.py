@@ -10,12 +10,15 @@ from torch.export import Dim
 from pt2serve.contract import (
     ACCEPT_DRAFTS,
     ACCEPT_DRAFTS_SAMPLED,
+    DRAFT_CONTEXT,
     FORWARD_OTHERS,
     SAMPLE,
     SAMPLE_ARGMAX,
     SCRATCH_CELL,
+    draft_name,
     forward_name,
 )
+from pt2serve.model.dflash import DraftBlockMethod, DraftContextMethod
 from pt2serve.model.model import Transformer
 from pt2serve.model.sampling import ArgmaxSampler, Sampler
 from pt2serve.model.verify import GreedyAcceptor, SampledAcceptor
@@ -23,11 +26,19 @@ from pt2serve.model.verify import GreedyAcceptor, SampledAcceptor
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One method to build: a static forward of `width` tokens, forward_others, or a sampler."""
+    """One method to build: a static forward of `width` tokens, forward_others, a sampler, or a draft method."""
 
     name: str
     width: int | None = None  # static forwards only
-    num_entries: int | None = None  # static forwards only: fixed seq_cells length
+    num_entries: int | None = None  # static forwards and draft_S: fixed seq_cells length
+    num_seqs: int | None = None  # draft_S only: the sequences it drafts for
+
+
+def draft_specs(draft_sizes: tuple[int, ...], entries_for) -> list[MethodSpec]:
+    """The DFlash draft methods: the context writer, then one static block method per sequence count."""
+    blocks = [MethodSpec(draft_name(n), num_entries=entries_for(n), num_seqs=n)
+              for n in sorted(draft_sizes, reverse=True)]
+    return blocks + [MethodSpec(DRAFT_CONTEXT)]
 
 
 def method_specs(forward_sizes: tuple[int, ...], entries_for) -> list[MethodSpec]:
@@ -133,3 +144,48 @@ def trace_acceptor(spec: MethodSpec, vocab_size: int, device):
         )
         dynamic_shapes += ({0: seqs}, {0: seqs}, {0: seqs}, {0: seqs, 1: width}, {0: seqs, 1: width})
     return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False), args
+
+
+def trace_draft_context(model: Transformer, max_step_tokens: int, max_draft_cells: int):
+    """torch.export `draft_context` over a dynamic token count (every forward's width) and draft pool size."""
+    draft = model.draft
+    layers = draft.config.layers
+    device, dtype = draft.norm.weight.device, draft.norm.weight.dtype
+    num_tokens = 5
+    taps = torch.randn(num_tokens, draft.fc.in_features, device=device, dtype=dtype)
+    positions = torch.arange(num_tokens, device=device)
+    write_cells = torch.arange(1, num_tokens + 1, device=device)
+    pool_shape = (num_tokens + 3, layers.num_kv_heads, layers.head_dim)
+    k_pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(layers.num_layers)]
+    v_pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(layers.num_layers)]
+    tokens = Dim("tokens", min=2, max=max_step_tokens + 1)
+    cells = Dim("cells", min=2, max=max_draft_cells)
+    pool_dims = [{0: cells} for _ in range(layers.num_layers)]
+    args = (taps, positions, write_cells, k_pools, v_pools)
+    dynamic_shapes = ({0: tokens}, {0: tokens}, {0: tokens}, pool_dims, pool_dims)
+    with torch.no_grad():
+        return torch.export.export(DraftContextMethod(model), args, dynamic_shapes=dynamic_shapes, strict=False), args
+
+
+def trace_draft_block(model: Transformer, spec: MethodSpec, max_draft_cells: int):
+    """torch.export one static `draft_S` method (S = spec.num_seqs sequences of one block each)."""
+    draft = model.draft
+    layers, block = draft.config.layers, draft.config.block_size
+    device, dtype = draft.norm.weight.device, draft.norm.weight.dtype
+    num_seqs, num_entries = spec.num_seqs, spec.num_entries
+    # Valid data: each sequence has 2 context cells then its block cells, all distinct.
+    lengths = [2 + block] * num_seqs
+    assert sum(lengths) <= num_entries
+    seq_indptr = torch.tensor([0] + lengths, device=device).cumsum(0)
+    seq_cells = torch.full((num_entries,), SCRATCH_CELL, device=device)
+    seq_cells[: sum(lengths)] = torch.arange(1, sum(lengths) + 1, device=device)
+    last_tokens = torch.arange(num_seqs, device=device) % 7
+    pool_shape = (sum(lengths) + 2, layers.num_kv_heads, layers.head_dim)
+    k_pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(layers.num_layers)]
+    v_pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(layers.num_layers)]
+    cells = Dim("cells", min=2, max=max_draft_cells)
+    pool_dims = [{0: cells} for _ in range(layers.num_layers)]
+    args = (last_tokens, seq_indptr, seq_cells, k_pools, v_pools)
+    dynamic_shapes = (None, None, None, pool_dims, pool_dims)
+    with torch.no_grad():
+        return torch.export.export(DraftBlockMethod(model), args, dynamic_shapes=dynamic_shapes, strict=False), args

@@ -11,6 +11,7 @@ import torch
 
 from pt2serve.errors import Pt2ServeError
 from pt2serve.export.defaults import (
+    DEFAULT_DRAFT_SIZES,
     DEFAULT_FORWARD_SIZES,
     DEFAULT_GRAPH_ENTRIES,
     DEFAULT_MAX_CELLS,
@@ -45,6 +46,8 @@ class ExportOptions:
     quantize_lm_head: bool = False
     quantize_embedding: bool = False
     tune_matmuls: bool = True  # cuda: time the small-M kernels against cuBLAS per shape and keep the faster
+    draft: Path | None = None  # a DFlash draft checkpoint directory, exported into the same artifact
+    draft_sizes: tuple[int, ...] = DEFAULT_DRAFT_SIZES  # sequences per static draft method
     revision: str | None = None  # of a Hugging Face Hub checkpoint (a branch, tag or commit)
     hf_token: str | None = field(default=None, repr=False)  # None: HF_TOKEN or the saved login
 
@@ -93,6 +96,15 @@ class ExportOptions:
         """
         return min(width * max_context, self.graph_entries)
 
+    def draft_entries_for(self, num_seqs: int, max_context: int, block_size: int) -> int:
+        """Entry capacity of the draft method for `num_seqs` sequences (context and block cells of each).
+
+        The one-sequence method holds a max-context sequence; wider ones stop at --graph-entries, and the
+        runtime drafts sequences that do not fit them together in narrower calls.
+        """
+        one = max_context + block_size
+        return max(one, min(num_seqs * one, self.graph_entries))
+
     def validate(self) -> None:
         """Every check that needs no model: bad flags fail here, before compile work starts."""
         if self.backend not in ("cuda", "cpu"):
@@ -121,6 +133,13 @@ class ExportOptions:
                 f"--max-step-tokens ({self.max_step_tokens}) must exceed the widest forward size ({sizes[-1]}): "
                 "forward_others covers the widths between them"
             )
+        drafts = self.draft_sizes
+        if not drafts or any(n < 1 for n in drafts) or any(b <= a for a, b in zip(drafts, drafts[1:])):
+            raise Pt2ServeError(f"--draft-sizes must be strictly increasing positive integers, got "
+                                f"{','.join(map(str, drafts))}")
+        if self.draft is not None and not Path(self.draft).is_dir():
+            raise Pt2ServeError(f"--draft {str(self.draft)!r} is not a directory: give a DFlash draft checkpoint "
+                                "directory (config.json and safetensors weights)")
         if self.jobs is not None and self.jobs < 1:
             raise Pt2ServeError(f"--jobs must be at least 1, got {self.jobs}")
         if self.quantize is None and (self.group_size is not None or self.quantize_lm_head or self.quantize_embedding):

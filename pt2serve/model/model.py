@@ -177,6 +177,8 @@ class Transformer(nn.Module):
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
+        # Layers whose outputs a draft model reads (model/dflash.py); when set, forward also returns them.
+        self.tap_layers: tuple[int, ...] = ()
 
     def forward(
         self,
@@ -189,7 +191,7 @@ class Transformer(nn.Module):
         logit_rows: torch.Tensor,  # [S] int64: the tokens whose next-token logits are returned
         k_pools: list[torch.Tensor],  # per layer [C, KVH, D]
         v_pools: list[torch.Tensor],
-    ) -> torch.Tensor:  # [S, vocab] fp32
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [S, vocab] fp32 (, [T, taps * hidden])
         cfg = self.config
         attend = StepAttention(
             self.attention, cfg.num_heads, cfg.num_kv_heads, positions, token_seq, seq_indptr, seq_cells
@@ -198,8 +200,14 @@ class Transformer(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()
         x = self.embed_tokens(tokens)
-        for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
+        taps = {}
+        for index, (layer, k_pool, v_pool) in enumerate(zip(self.layers, k_pools, v_pools)):
             x = layer(x, cos, sin, write_cells, attend, k_pool, v_pool)
+            if index in self.tap_layers:
+                # Hugging Face's hidden state of the last layer is the one after the final norm.
+                taps[index] = self.norm(x) if index == cfg.num_layers - 1 else x
         x = self.norm(x.index_select(0, logit_rows))
         logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return logits.float()
+        if not self.tap_layers:
+            return logits.float()
+        return logits.float(), torch.cat([taps[i] for i in self.tap_layers], dim=-1)

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from pt2serve.contract import (
     CONTENT_HASH_SCHEME,
+    DRAFT_CONTEXT,
     FORMAT_VERSION,
     FORWARD_OTHERS,
     METADATA_RECORD,
@@ -33,6 +34,7 @@ from pt2serve.contract import (
     TOKENIZER_RECORD,
     ContentHasher,
     content_hash,
+    draft_name,
     forward_name,
 )
 from pt2serve.errors import Pt2ServeError
@@ -96,6 +98,11 @@ class Metadata:
 
     def internal_name(self, method: str) -> str:
         return self.raw["methods"][method]["internal_name"]
+
+    @property
+    def draft(self) -> dict[str, Any] | None:
+        """The DFlash draft's description (block size, mask token, pool geometry, sizes), or None."""
+        return self.raw.get("draft")
 
     @property
     def method_names(self) -> tuple[str, ...]:
@@ -307,6 +314,10 @@ def _malformed_field(raw: dict[str, Any]) -> str | None:
         spec = methods.get(forward_name(width), {})
         if "internal_name" in spec and not _is_positive_int(spec.get("num_entries")):
             return f"methods.{forward_name(width)}.num_entries is {spec.get('num_entries')!r}, not a positive integer"
+    draft = raw.get("draft")
+    if draft is not None and not _is_draft_record(draft, methods):
+        return ("draft is not {block_size, mask_token_id, target_layer_ids, sizes, cache {num_layers, num_kv_heads, "
+                "head_dim}} with a draft_S method (and its num_entries) for each size")
     weights = raw["weights"]
     if not isinstance(weights, list) or not all(_is_weight_entry(entry) for entry in weights):
         return f"weights is not a list of {{name, dtype ({', '.join(_DTYPES)}), shape, record}}"
@@ -318,6 +329,17 @@ def _malformed_field(raw: dict[str, Any]) -> str | None:
     if not isinstance(built, dict) or not isinstance(built.get("torch"), str):
         return "built_with does not give the torch version"
     return None
+
+
+def _is_draft_record(draft: Any, methods: dict[str, Any]) -> bool:
+    if not isinstance(draft, dict) or not isinstance(draft.get("cache"), dict):
+        return False
+    sizes = draft.get("sizes")
+    return (_is_positive_int(draft.get("block_size")) and draft["block_size"] >= 2
+            and isinstance(draft.get("mask_token_id"), int) and isinstance(draft.get("target_layer_ids"), list)
+            and all(_is_positive_int(draft["cache"].get(key)) for key in ("num_layers", "num_kv_heads", "head_dim"))
+            and isinstance(sizes, list) and bool(sizes) and all(_is_positive_int(n) for n in sizes)
+            and all(_is_positive_int(methods.get(draft_name(n), {}).get("num_entries")) for n in sizes))
 
 
 def _is_positive_int(value: Any) -> bool:
@@ -333,6 +355,8 @@ def _is_weight_entry(entry: Any) -> bool:
 def _check_records(archive: zipfile.ZipFile, metadata: Metadata, path: Path) -> dict[str, zipfile.ZipInfo]:
     """Every method and weight the metadata names is present, and the method files are intact."""
     expected = {forward_name(n) for n in metadata.forward_sizes} | {FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX}
+    if metadata.draft is not None:
+        expected |= {DRAFT_CONTEXT} | {draft_name(n) for n in metadata.draft["sizes"]}
     absent = sorted(expected - set(metadata.method_names))
     if absent:
         raise Pt2ServeError(f"{path} is incomplete: metadata lists no method {', '.join(absent)}")

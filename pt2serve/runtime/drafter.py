@@ -2,6 +2,8 @@
 
 A drafter only proposes: whatever it returns, the emitted tokens are the target's (greedy) or distributed as
 the target's (sampling). A good drafter makes steps emit more tokens; a bad one costs the verify rows.
+The scheduler asks for all of a step's drafts at once (`propose_all`): a host drafter answers per request,
+a device drafter (DFlash, dflash.py) drafts them together in a few calls.
 
 `NgramDrafter` is prompt lookup: find the most recent earlier occurrence of the sequence's last n tokens
 (n = max_ngram down to min_ngram) in its own prompt and output, and propose the tokens that followed it.
@@ -13,6 +15,7 @@ the target's (sampling). A good drafter makes steps emit more tokens; a bad one 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -24,12 +27,31 @@ class Speculation(enum.Enum):
 
     NONE = "none"  # no drafts: every decode is one token
     NGRAM = "ngram"  # prompt lookup (NgramDrafter)
+    DFLASH = "dflash"  # the artifact's DFlash draft model (dflash.py)
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence to draft for: its tokens and the cells of those already computed."""
+
+    tokens: Sequence[int]  # prompt and output so far; the last one is pending (its K/V not computed yet)
+    cells: np.ndarray  # the cells of positions 0 .. len(tokens) - 2
+    max_drafts: int
 
 
 class Drafter(Protocol):
     def propose(self, tokens: Sequence[int], max_drafts: int) -> tuple[int, ...]:
         """Up to `max_drafts` tokens to follow `tokens` (the request's prompt and output so far)."""
         ...
+
+
+def propose_all(drafter, requests: list[DraftRequest]) -> list[tuple[int, ...]]:
+    """Drafts for each request: all at once from a drafter that batches them on the device (`propose_batch`,
+    e.g. DFlash), else one request at a time from a host drafter's `propose`."""
+    batch = getattr(drafter, "propose_batch", None)
+    if batch is not None:
+        return batch(requests) if requests else []
+    return [tuple(drafter.propose(r.tokens, r.max_drafts)) for r in requests]
 
 
 class NgramDrafter:

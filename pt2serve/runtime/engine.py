@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from pt2serve.runtime.artifact import load_artifact, read_metadata, read_tokenizer_json
-from pt2serve.runtime.drafter import Drafter
+from pt2serve.runtime.drafter import Drafter, Speculation
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.runner import Runner, RunnerConfig
 from pt2serve.tokenizer import Tokenizer, TokenizerFiles
@@ -32,6 +33,8 @@ def open_runner(
     drafter: Drafter | None = None,
 ) -> Runner:
     """Load `path` onto `device` (default: what it was built for) and start its engine thread."""
+    if drafter is None and runner_config.speculate is Speculation.DFLASH:
+        executor_config = replace(executor_config, draft=True)  # the runner drafts with the executor's draft
     # The tokenizer (a second for a 128k vocabulary) is built beside the weights, which load on other threads.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pt2serve-tokenizer") as background:
         tokenizer = background.submit(read_tokenizer, path)  # a bad path: load_artifact says why first

@@ -34,9 +34,10 @@ from pt2serve.runtime.cells import (
     CellAllocator,
     allocate_kv_pools,
     available_memory_bytes,
-    cells_that_fit,
+    bytes_per_cell,
     check_pool_fits,
 )
+from pt2serve.runtime.dflash import DFlashDrafter
 from pt2serve.runtime.grammar import apply_masks, bitmask_words
 from pt2serve.runtime.graphs import capture_all
 from pt2serve.runtime.logits import LogitsProcessor
@@ -64,6 +65,9 @@ class ExecutorConfig:
     # graph their fixed entry capacity makes them slower than forward_others over the real entries (CPU,
     # tiny preset: 51 ms against 3.3 ms for 64 decodes). True forces them (tests, checks of the methods).
     use_static_methods: bool | None = None
+    # Run the artifact's DFlash draft (--speculate dflash): allocate its cell pool and write its context with
+    # every forward. The artifact must hold one (export --draft).
+    draft: bool = False
 
     def __post_init__(self) -> None:
         if self.num_cells is not None and self.num_cells < 2:
@@ -238,17 +242,23 @@ class Executor:
         self._previous_ids: torch.Tensor | None = None
         self._previous_rows: dict[int, int] = {}
         free_before = _free_device_bytes(self.device)
+        # Before the forwards are captured: their graphs then write the draft context too.
+        self.draft: DFlashDrafter | None = None
+        if config.draft:
+            with _out_of_memory_explained("allocating the draft's cells"):
+                self.draft = DFlashDrafter(artifact, num_cells, self.uses_cuda_graphs)
         idle_steps = {}
         for width in self.forward_sizes:
             method = f"forward_{width}"
             idle_steps[method] = pack([], method, width, meta.entries_of(width))
         with _out_of_memory_explained("capturing CUDA graphs"):
             self._static, capture_seconds = capture_all(
-                artifact.run, idle_steps, self.pools, self.device, self.uses_cuda_graphs
+                self._run_forward, idle_steps, self.pools, self.device, self.uses_cuda_graphs
             )
+        pool_bytes = self._pool_storage.numel() * self._pool_storage.element_size()
         self.memory = MemoryReport(
             weight_bytes=artifact.report.weight_bytes,
-            pool_bytes=self._pool_storage.numel() * self._pool_storage.element_size(),
+            pool_bytes=pool_bytes + (self.draft.pool_bytes if self.draft is not None else 0),
             graph_bytes=max(0, free_before - _free_device_bytes(self.device)) if self.uses_cuda_graphs else 0,
             num_cells=num_cells,
             pool_sized_by=sized_by,
@@ -271,8 +281,12 @@ class Executor:
         available = available_memory_bytes(self.device)
         if available is None:  # a host that cannot tell: the CPU default
             return min(limit, max(CPU_POOL_TOKENS, meta.max_context) + 1), "the CPU default"
-        fits = cells_that_fit(available, config.kv_memory_fraction, cache["num_layers"], cache["num_kv_heads"],
-                              cache["head_dim"], meta.kv_dtype)
+        per_cell = bytes_per_cell(cache["num_layers"], cache["num_kv_heads"], cache["head_dim"], meta.kv_dtype)
+        if config.draft and meta.draft is not None:
+            # The draft's pool mirrors every cell: the same fraction of memory holds both.
+            draft = meta.draft["cache"]
+            per_cell += bytes_per_cell(draft["num_layers"], draft["num_kv_heads"], draft["head_dim"], meta.kv_dtype)
+        fits = int(available * config.kv_memory_fraction) // per_cell
         if fits < meta.max_context + 1:
             raise Pt2ServeError(
                 f"only {fits} KV cells fit in {config.kv_memory_fraction:.0%} of the {memory}, fewer than one "
@@ -391,7 +405,15 @@ class Executor:
             return captured.run()
         inputs = regions(self._to_device(call.host), call.sizes)
         self._fill_placeholders(call, inputs[0])
-        return self.artifact.run(call.method, [*inputs, *self.pools])[0]
+        return self._run_forward(call.method, [*inputs, *self.pools])[0]
+
+    def _run_forward(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run a forward method; with a draft, also write the draft context of the step's tokens from its taps."""
+        outputs = self.artifact.run(method, inputs)
+        if self.draft is not None:
+            positions, write_cells = inputs[1], inputs[2]
+            self.draft.write_context(outputs[1], positions, write_cells)
+        return outputs
 
     def _fill_placeholders(self, call: MethodCall, tokens: torch.Tensor) -> None:
         """Copy the previous step's sampled ids into this call's token rows that wait for them."""

@@ -46,11 +46,11 @@ class StaticBuffers:
 
 
 class CapturedForward:
-    """One static width: its buffers and, on CUDA with graphs on, its captured graph."""
+    """One static method (a forward width, or a draft method): its buffers and, on CUDA with graphs on, its
+    captured graph. Its inputs are the packed regions of `sizes`, then `pools`; it returns its first output."""
 
     def __init__(self, run, method: str, idle_step: np.ndarray, sizes: tuple[int, ...], pools, device,
                  graph_pool=None):
-        assert len(sizes) == len(FORWARD_INPUTS)
         self.method = method
         self.buffers = StaticBuffers.allocate(sizes, device)
         self.buffers.load(idle_step)
@@ -102,6 +102,7 @@ def capture_all(run, idle_steps: dict[str, MethodCall], pools, device, use_graph
     """
     started = time.perf_counter()
     graph_pool = torch.cuda.graph_pool_handle() if use_graph else None
+    assert all(len(idle.sizes) == len(FORWARD_INPUTS) for idle in idle_steps.values())
     widest_first = sorted(idle_steps.items(), key=lambda item: -item[1].width)
     captured = {
         name: CapturedForward(run, name, idle.host, idle.sizes, pools, device, graph_pool)

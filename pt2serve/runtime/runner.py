@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pt2serve.errors import Pt2ServeError
+from pt2serve.runtime.dflash import DFlashDrafter
 from pt2serve.runtime.drafter import Drafter, NgramDrafter, Speculation
 from pt2serve.runtime.executor import CallRecord, DeferredSampling, Executor, PendingStep, StepResult
 from pt2serve.runtime.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher
@@ -198,8 +199,13 @@ class Runner:
         budget = config.token_budget or min(DEFAULT_TOKEN_BUDGET, meta.max_step_tokens)
         if drafter is None and config.speculate is Speculation.NGRAM:
             drafter = NgramDrafter()
+        if drafter is None and config.speculate is Speculation.DFLASH:
+            if executor.draft is None:
+                raise Pt2ServeError("--speculate dflash needs an executor that runs the artifact's draft "
+                                    "(ExecutorConfig(draft=True); open_runner sets it)")
+            drafter = executor.draft
         if drafter is not None:
-            _check_speculation(executor, config.num_draft_tokens)
+            _check_speculation(executor, config.num_draft_tokens, drafter)
         self.drafter = drafter
         self.num_draft_tokens = config.num_draft_tokens
         self.executor = executor
@@ -298,7 +304,7 @@ class Runner:
         excluded = _not_speculating_because(sampling, logprobs, prompt_logprobs, parent is not None,
                                             grammar is not None)
         if speculate and self.drafter is None:
-            raise Pt2ServeError("this server does not speculate: start it with --speculate ngram")
+            raise Pt2ServeError("this server does not speculate: start it with --speculate ngram or dflash")
         if speculate and excluded:
             raise Pt2ServeError(f"speculative decoding does not combine with {excluded}: leave it out, or do not "
                                 "ask to speculate")
@@ -579,12 +585,15 @@ class Runner:
         self._update_stats()
 
 
-def _check_speculation(executor: Executor, num_draft_tokens: int) -> None:
+def _check_speculation(executor: Executor, num_draft_tokens: int, drafter: Drafter) -> None:
     """Refuse speculation the artifact cannot run, saying what to change."""
     meta = executor.artifact.metadata
     if not executor.can_verify:
         raise Pt2ServeError("this artifact has no acceptance methods (it was exported before speculative decoding): "
                             "re-export it, or serve it without --speculate")
+    if isinstance(drafter, DFlashDrafter) and num_draft_tokens > drafter.block_size - 1:
+        raise Pt2ServeError(f"--num-draft-tokens {num_draft_tokens} exceeds what the DFlash draft proposes per "
+                            f"block (block_size - 1 = {drafter.block_size - 1}): use at most {drafter.block_size - 1}")
     widest = max(meta.forward_sizes)
     if num_draft_tokens + 1 > widest:
         raise Pt2ServeError(f"--num-draft-tokens {num_draft_tokens} makes steps of {num_draft_tokens + 1} tokens per "

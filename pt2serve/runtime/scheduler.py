@@ -18,9 +18,10 @@ once, a sampling chunk counts an unresolved sample, and a decode whose token is 
 the chunk of the previous plan that samples it (ScheduledChunk.previous_sample). Commits come in plan order.
 
 Speculation: a request with num_draft_tokens decodes its pending token plus up to that many tokens its
-drafter proposes, all in one chunk that takes 1 + k tokens of the budget and 1 + k cells. Its num_computed
-advances by one when planned and by the accepted count when the result comes back; the cells of rejected
-drafts are freed then (the next step writes those positions again). It is planned again only once its
+drafter proposes (one call for all of a step's speculating requests), all in one chunk that takes 1 + k
+tokens of the budget and 1 + k cells. Its num_computed advances by one when planned and by the accepted
+count when the result comes back; the cells of rejected drafts are freed then (the next step writes those
+positions again). It is planned again only once its
 result is back (its drafts need its newest token), while other requests keep one step in flight.
 
     cells:  [ ... | pending | d1 d2 d3 ]   planned:  num_computed = position of d1
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pt2serve.runtime.cells import CellAllocator, CellTable
-from pt2serve.runtime.drafter import Drafter
+from pt2serve.runtime.drafter import Drafter, DraftRequest, propose_all
 from pt2serve.runtime.prefix_cache import PrefixCache
 from pt2serve.runtime.request import FinishReason, Request, RequestStatus
 from pt2serve.runtime.sampling import DrawPurpose
@@ -168,30 +169,42 @@ class Scheduler:
         draft_room = token_budget - len(chosen)  # budget tokens left for drafts, first come first served
         # One eviction for all the decodes: the cells they need that the pool lacks, not one call per decode.
         self.prefix_cache.evict(len(chosen) - self.allocator.num_free)
+        proposed = self._propose(chosen, draft_room)
         for request_id in chosen:
             request = self.requests[request_id]
             if request_id in scheduled or request.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an earlier one this step
-            drafts = self._drafts(request, draft_room)
+            drafts = proposed.get(request_id, ())[:max(0, draft_room)]
             if drafts and not self._can_allocate_freely(1 + len(drafts)):
                 drafts = ()  # drafts never cost another request its cells
             if self._allocate(request, 1 + len(drafts), scheduled):
                 scheduled[request_id] = self._chunk(request, 1, drafts)
                 draft_room -= len(drafts)
 
-    def _drafts(self, request: Request, room: int) -> tuple[int, ...]:
-        """The drafts a speculating request verifies this step: at most its bound and `room`, and never more
+    def _propose(self, chosen: list[int], room: int) -> dict[int, tuple[int, ...]]:
+        """The drafts each speculating request of `chosen` may verify this step, all proposed in one go: at most
+        its bound and `room` (the decodes share what is left of it first come, first served), and never more
         than its limits leave room for (the step emits up to len(drafts) + 1 tokens)."""
-        if not request.spec.num_draft_tokens or self.drafter is None:
-            return ()
-        limit = min(request.spec.num_draft_tokens, room,
-                    request.spec.max_new_tokens - request.num_sampled - 1,
-                    self.config.max_context - request.length - 1)
-        if limit < 1:
-            return ()
+        if self.drafter is None:
+            return {}
+        ids, asks = [], []
+        for request_id in chosen:
+            request = self.requests[request_id]
+            if not request.spec.num_draft_tokens:
+                continue
+            limit = min(request.spec.num_draft_tokens, room,
+                        request.spec.max_new_tokens - request.num_sampled - 1,
+                        self.config.max_context - request.length - 1)
+            if limit >= 1:
+                ids.append(request_id)
+                asks.append(DraftRequest(request.tokens, request.cells.cells[:request.num_computed], limit))
         vocab = self.config.vocab_size
-        proposed = [int(t) for t in self.drafter.propose(request.tokens, limit)[:limit]]
-        return tuple(itertools.takewhile(lambda t: t >= 0 and (vocab is None or t < vocab), proposed))
+        drafts = {}
+        for request_id, ask, proposal in zip(ids, asks, propose_all(self.drafter, asks)):
+            proposed = [int(t) for t in proposal[:ask.max_drafts]]
+            drafts[request_id] = tuple(itertools.takewhile(lambda t: t >= 0 and (vocab is None or t < vocab),
+                                                           proposed))
+        return drafts
 
     def _can_allocate_freely(self, count: int) -> bool:
         """Whether `count` cells are free, or can be freed from the prefix cache alone (no preemption)."""

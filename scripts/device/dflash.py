@@ -1,0 +1,131 @@
+"""DFlash speculation at batch 1: output tokens/s as a function of the accepted length, beside plain decoding and
+the weight-read floor.
+
+Usage: python scripts/device/dflash.py ARTIFACT.pt2 [--seconds S] [--num-draft-tokens K] [--json PATH]
+
+The artifact holds a DFlash draft (export --draft); with random weights its drafts are almost never accepted, so
+acceptance is set by an oracle: a drafter that runs the artifact's real draft (its whole device cost is paid)
+but proposes the known greedy continuation, wrong at draft index a, so that every verifying step accepts
+exactly a drafts and emits a + 1 tokens. Rows: plain decode; the real draft's own proposals; the oracle at
+a = 0, 1, 3, 7, ... up to k (all accepted). Each row is one request of NEW_TOKENS tokens after a short prompt.
+The floor: the weights read per step (target alone for plain decode; target and draft for a verifying step)
+over the measured copy bandwidth. Prints one markdown table last; rows past --seconds are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from pt2serve.bench.roofline import measure_limits
+from pt2serve.runtime.artifact import load_artifact
+from pt2serve.runtime.drafter import DraftRequest
+from pt2serve.runtime.executor import Executor, ExecutorConfig
+from pt2serve.runtime.runner import Runner, RunnerConfig
+
+PROMPT_TOKENS = 32
+NEW_TOKENS = 128
+NUM_CELLS = 4096  # per executor: two share the device
+
+
+class OracleDrafter:
+    """The artifact's DFlash draft runs (its cost is real), then its proposals are replaced by the known greedy
+    continuation, corrupted at index `accept` (none corrupted when accept >= the drafts asked for)."""
+
+    def __init__(self, dflash, truth: list[int], accept: int, vocab_size: int) -> None:
+        self.dflash = dflash
+        self.block_size = dflash.block_size  # the runner bounds --num-draft-tokens by it
+        self.truth = truth  # prompt + greedy output
+        self.accept = accept
+        self.vocab_size = vocab_size
+
+    def propose_batch(self, requests: list[DraftRequest]) -> list[tuple[int, ...]]:
+        self.dflash.propose_batch(requests)
+        proposals = []
+        for request in requests:
+            drafts = list(self.truth[len(request.tokens):len(request.tokens) + request.max_drafts])
+            if self.accept < len(drafts):
+                drafts[self.accept] = (drafts[self.accept] + 1) % self.vocab_size
+            proposals.append(tuple(drafts))
+        return proposals
+
+
+def timed(executor: Executor, prompt: list[int], config: RunnerConfig, drafter=None) -> dict:
+    runner = Runner(executor, None, config, drafter)
+    try:
+        runner.generate(prompt[:8], max_new_tokens=4, ignore_eos=True)  # warm up
+        runner.clear_prefix_cache()
+        before = runner.scheduler.num_accepted_tokens, runner.scheduler.num_verify_steps
+        started = time.perf_counter()
+        completion = runner.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        seconds = time.perf_counter() - started
+        accepted = runner.scheduler.num_accepted_tokens - before[0]
+        steps = runner.scheduler.num_verify_steps - before[1]
+    finally:
+        runner.close()
+    return {"tokens": completion.token_ids, "tokens_per_second": len(completion.token_ids) / seconds,
+            "seconds": seconds, "tokens_per_verify_step": accepted / steps + 1 if steps else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("artifact")
+    parser.add_argument("--seconds", type=float, default=170.0)
+    parser.add_argument("--num-draft-tokens", type=int, default=None, help="default: block_size - 1, within "
+                        "the widest static width")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    started = time.monotonic()
+    deadline = started + args.seconds
+    artifact = load_artifact(args.artifact)
+    meta = artifact.metadata
+    # Plain decoding on an executor without the draft: with one, every forward also writes the draft context.
+    plain_executor = Executor(artifact, ExecutorConfig(num_cells=NUM_CELLS))
+    executor = Executor(artifact, ExecutorConfig(num_cells=NUM_CELLS, draft=True))
+    block = meta.draft["block_size"]
+    k = args.num_draft_tokens or min(block - 1, max(meta.forward_sizes) - 1)
+    rng = random.Random(0)
+    prompt = [rng.randrange(meta.vocab_size) for _ in range(PROMPT_TOKENS)]
+
+    # The floor: every weight read once per step.
+    bandwidth = measure_limits(executor.device, meta.raw["dtype"]).memory_bandwidth
+    draft_bytes = sum(t.numel() * t.element_size() for name, t in artifact.weights.items() if name.startswith("draft."))
+    target_bytes = artifact.report.weight_bytes - draft_bytes
+    plain_floor_ms, verify_floor_ms = 1000 * target_bytes / bandwidth, 1000 * (target_bytes + draft_bytes) / bandwidth
+
+    plain = timed(plain_executor, prompt, RunnerConfig(token_budget=64))
+    truth = prompt + plain["tokens"]
+    rows = [("plain decode", plain, 1, plain_floor_ms)]
+    speculating = RunnerConfig(token_budget=64, num_draft_tokens=k)
+    if time.monotonic() < deadline:
+        real = timed(executor, prompt, speculating, executor.draft)
+        assert real["tokens"] == plain["tokens"], "speculation changed greedy output"
+        rows.append(("DFlash, the draft's own proposals", real, real["tokens_per_verify_step"] or 1, verify_floor_ms))
+    for accept in sorted({0, 1, 3, 7, k} & set(range(k + 1))):
+        if time.monotonic() > deadline:
+            break
+        oracle = OracleDrafter(executor.draft, truth, accept, meta.vocab_size)
+        run = timed(executor, prompt, speculating, oracle)
+        assert run["tokens"] == plain["tokens"], "speculation changed greedy output"
+        rows.append((f"DFlash, oracle accepts {accept} of {k}", run, accept + 1, verify_floor_ms))
+
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"bandwidth": bandwidth, "target_bytes": target_bytes, "draft_bytes": draft_bytes,
+                       "rows": [{"name": name, "tokens_per_step": per_step, "floor_ms": floor,
+                                 **{key: value for key, value in run.items() if key != "tokens"}}
+                                for name, run, per_step, floor in rows]}, file, indent=1)
+    print(f"total seconds: {time.monotonic() - started:.0f}; k = {k} drafts (block {block}); weights: target "
+          f"{target_bytes / 1e6:.1f} MB, draft {draft_bytes / 1e6:.1f} MB; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print(f"| batch 1, {executor.device} | tokens per step | tok/s | weight-read floor tok/s | of floor |")
+    print("|---|---|---|---|---|")
+    for name, run, per_step, floor_ms in rows:
+        floor_tps = 1000 * per_step / floor_ms
+        print(f"| {name} | {per_step:.2f} | {run['tokens_per_second']:,.1f} | {floor_tps:,.0f} | "
+              f"{run['tokens_per_second'] / floor_tps:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
