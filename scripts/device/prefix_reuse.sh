@@ -16,15 +16,8 @@ WORKLOAD=(--mode requests --workload chat --requests "${CONVERSATIONS:-32}" --tu
           --system-tokens "${SYSTEM_TOKENS:-1024}" --prompt-tokens "${USER_TOKENS:-128}"
           --max-new-tokens "${REPLY_TOKENS:-128}" --stagger-ms "${STAGGER_MS:-20}")
 
-if [ -f "$ARTIFACT" ]; then
-  echo "reusing $ARTIFACT"
-else
-  start=$(date +%s)
-  timeout ${EXPORT_LIMIT_S:-400} python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache \
-    --preset "$PRESET" --max-context 4096 --forward-sizes 1,16,64 -o "$ARTIFACT" \
-    || { echo "export failed or timed out"; exit 1; }
-  echo "export seconds: $(( $(date +%s) - start ))"
-fi
+source scripts/device/export_unless_present.sh
+export_unless_present "$ARTIFACT" "${EXPORT_LIMIT_S:-400}" --backend cuda --use-offgraph-kv-cache --preset "$PRESET" --max-context 4096 --forward-sizes 1,16,64 || exit 1
 
 python3 - "$ARTIFACT" <<'EOF'
 import sys

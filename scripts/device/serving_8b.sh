@@ -22,18 +22,12 @@ rm -f "$OUT"/in-process-*.json "$OUT/http-default.json" "$OUT/server.log"  # the
 REQUESTS=${REQUESTS:-64} PROMPT_TOKENS=${PROMPT_TOKENS:-512} NEW_TOKENS=${NEW_TOKENS:-128}
 WORKLOAD=(--mode requests --requests "$REQUESTS" --prompt-tokens "$PROMPT_TOKENS" --max-new-tokens "$NEW_TOKENS")
 
+source scripts/device/export_unless_present.sh
 source scripts/device/server_wheels.sh
 source scripts/device/serve_ready.sh
 export PYTHONPATH=$PYTHONPATH${SERVER_SITE:+:$SERVER_SITE}
 
-if [ -f "$ARTIFACT" ]; then
-  echo "reusing $ARTIFACT"
-else
-  start=$(date +%s)
-  timeout ${EXPORT_LIMIT_S:-480} python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache \
-    --preset "$PRESET" --max-context 4096 -o "$ARTIFACT" || { echo "export failed or timed out"; exit 1; }
-  echo "export seconds: $(( $(date +%s) - start ))"
-fi
+export_unless_present "$ARTIFACT" "${EXPORT_LIMIT_S:-480}" --backend cuda --use-offgraph-kv-cache --preset "$PRESET" --max-context 4096 || exit 1
 python3 -m pt2serve.cli inspect "$ARTIFACT" | grep -i "methods\|built with\|dtype\|max context"
 deadline=$(( $(date +%s) + ${RUN_LIMIT_S:-530} ))
 

@@ -17,18 +17,12 @@ READY_LIMIT_S=${READY_LIMIT_S:-120}
 OUT=${OUT:-/tmp/pt2serve-out}; mkdir -p "$OUT"
 rm -f "$OUT"/startup-*.log
 
+source scripts/device/export_unless_present.sh
 source scripts/device/server_wheels.sh
 source scripts/device/serve_ready.sh
 export PYTHONPATH=$PYTHONPATH${SERVER_SITE:+:$SERVER_SITE}
 
-if [ -f "$ARTIFACT" ]; then
-  echo "reusing $ARTIFACT"
-else
-  start=$(date +%s)
-  timeout ${EXPORT_LIMIT_S:-480} python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache \
-    --preset "$PRESET" --max-context 4096 -o "$ARTIFACT" || { echo "export failed or timed out"; exit 1; }
-  echo "export seconds: $(( $(date +%s) - start ))"
-fi
+export_unless_present "$ARTIFACT" "${EXPORT_LIMIT_S:-480}" --backend cuda --use-offgraph-kv-cache --preset "$PRESET" --max-context 4096 || exit 1
 ls -l "$ARTIFACT"
 
 for run in $(seq 1 "$RUNS"); do
