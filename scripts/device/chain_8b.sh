@@ -6,6 +6,7 @@
 # tuning), then runs, each logged to /tmp/chain/NAME.log:
 #   sweep       bench sweep of decode widths and two wide steps, then the kernel profile of T = 1, 32, 64
 #   matmuls     scripts/device/matmul_floor.py: a step's weight matmuls, cuBLAS vs the chosen kernels vs floor
+#   speculate   scripts/device/speculate.sh (verify cost for k = 3, 7, 15; n-gram against none)
 #   soak        scripts/device/soak_8b.sh (10 minutes; its server's load line gives launch to ready), and beside
 #               it the checks whose timings do not count:
 #   cuda-tests  the tests marked cuda (scripts/device/cuda_tests.sh)
@@ -15,7 +16,7 @@
 # packs /tmp/chain into $OUT/chain.tar.gz.
 set -uo pipefail
 CHAIN=/tmp/chain
-STEPS=(export sweep matmuls soak cuda-tests tuned-small)
+STEPS=(export sweep matmuls speculate soak cuda-tests tuned-small)
 
 if [ "${1:-}" = "--poll" ]; then
   for step in "${STEPS[@]}"; do
@@ -70,6 +71,7 @@ run export export_8b
 [ -f "$ARTIFACT" ] || exit 1
 run sweep sweep
 run matmuls timeout 180 python3 scripts/device/matmul_floor.py "$ARTIFACT" "$PRESET"
+run speculate scripts/device/speculate.sh
 run soak scripts/device/soak_8b.sh &
 soak=$!
 sleep 120   # the soak's server is up and past its warm-up before the side checks start
