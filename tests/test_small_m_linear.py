@@ -89,7 +89,7 @@ def test_a_config_narrower_than_the_rows_is_refused(kernels):
 
 
 def test_choices_apply_only_to_their_key_and_to_concrete_narrow_widths(kernels):
-    weight = torch.randn(24, 64)
+    weight = torch.randn(24, 64, device=DEVICE)
     config = candidates(2, False)[0]
     choices = LinearChoices({choice_key("linear", 24, 64, 2, torch.float32): config})
     assert choices.lookup("linear", torch.randn(2, 64), weight) == config
@@ -97,11 +97,12 @@ def test_choices_apply_only_to_their_key_and_to_concrete_narrow_widths(kernels):
     assert choices.lookup("swiglu", torch.randn(2, 64), weight) is None  # another kind
     assert choices.lookup("linear", torch.randn(2, 64, dtype=torch.float64), weight.double()) is None
     assert LinearChoices.from_dict(choices.to_dict()).configs == choices.configs
-    x = torch.randn(2, 64)
+    x = torch.randn(2, 64, device=DEVICE)
     with using(choices):  # the chosen kernel and the plain matmul agree
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(linear(x, weight, torch.ones(24)), F.linear(x, weight) + 1, atol=1e-4, rtol=1e-4)
-    gate_up = torch.randn(48, 64)
+        bias = torch.ones(24, device=DEVICE)
+        torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight) + 1, atol=1e-4, rtol=1e-4)
+    gate_up = torch.randn(48, 64, device=DEVICE)
     with using(LinearChoices({choice_key("swiglu", 48, 64, 2, torch.float32): candidates(2, True)[0]})):
         torch.testing.assert_close(swiglu_linear(x, gate_up), reference(x, gate_up, True), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(swiglu_linear(x, gate_up), reference(x, gate_up, True), atol=1e-4, rtol=1e-4)
@@ -167,6 +168,7 @@ torch.export.save(program, sys.argv[1])
 """
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="runs the CPU-traced program's kernels in Triton's interpreter")
 @pytest.mark.parametrize("width", [4])  # gemv and dot configs alternate over the shapes
 def test_a_method_traced_with_choices_holds_the_kernels_and_matches_the_model(kernels, tmp_path, width):
     """Traced in a process without TRITON_INTERPRET (under it, export traces into the kernel instead of
@@ -204,7 +206,7 @@ def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkey
     takes the fastest config where it beats cuBLAS past the margin, and stays cuBLAS where it does not."""
     from pt2serve.export import linear_tuning
 
-    model = build_preset_model("tiny", torch.float32).eval()
+    model = build_preset_model("tiny", torch.float32, DEVICE).eval()
     shapes, widths = list(model_matmuls(model)), (1, 16)
     # Three configs per key keep the interpreter's time down; every config runs in the test above.
     monkeypatch.setattr(linear_tuning, "candidates", lambda width, swiglu: candidates(width, swiglu)[-3:])
