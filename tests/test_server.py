@@ -605,7 +605,7 @@ def assert_cancelled_and_freed(url: str, baseline: float, cancelled_before: floa
     assert after["pt2serve_requests_running"] == 0 and after["pt2serve_requests_waiting"] == 0
 
 
-def test_a_waiting_stream_gets_keep_alive_comments_that_clients_skip(strict, slow_engine, monkeypatch):
+def test_a_waiting_stream_gets_keep_alive_comments_that_clients_skip(strict, server, slow_engine, monkeypatch):
     """Every gap between a slow engine's steps is longer than the (shortened) keep-alive interval: the raw
     stream carries comments, and the openai client reads the same text as a whole completion."""
     monkeypatch.setattr(completions, "KEEP_ALIVE_S", 0.002)
@@ -616,6 +616,12 @@ def test_a_waiting_stream_gets_keep_alive_comments_that_clients_skip(strict, slo
         whole = http.post(COMPLETIONS, json={**body, "stream": False}).json()["choices"][0]["text"]
     assert ": keep-alive" in lines
     assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    with httpx.Client(base_url=server, timeout=30) as http:  # two choices (strict runs one): merged streams
+        with http.stream("POST", COMPLETIONS, json={**body, "n": 2}) as stream:
+            two = list(stream.iter_lines())
+    assert ": keep-alive" in two
+    finished = [json.loads(line[6:])["choices"][0] for line in two if line.startswith("data: {")]
+    assert sorted(c["index"] for c in finished if c["finish_reason"] == "length") == [0, 1]
     with openai.OpenAI(base_url=f"{strict}/v1", api_key=API_KEY, max_retries=0) as client:
         chunks = client.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
                                            extra_body={"ignore_eos": True})

@@ -261,8 +261,8 @@ def _usage(generations: list[Generation]) -> Usage:
 
 
 async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, list[StreamEvent]]]:
-    """(choice index, batch of events) as they come from every choice, until all have finished; (0, [])
-    after KEEP_ALIVE_S without any."""
+    """(choice index, batch of events) as they come from every choice, until all have finished; an empty
+    batch when a choice had no event for KEEP_ALIVE_S."""
     if len(generations) == 1:  # the common case needs no pump task and second queue per event
         async for batch in generations[0].event_batches(KEEP_ALIVE_S):
             yield 0, batch
@@ -270,20 +270,15 @@ async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[int, lis
     queue: asyncio.Queue[tuple[int, list[StreamEvent]]] = asyncio.Queue()
 
     async def pump(index: int, generation: Generation) -> None:
-        async for batch in generation.event_batches():
+        async for batch in generation.event_batches(KEEP_ALIVE_S):
             queue.put_nowait((index, batch))
 
     pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
     try:
         remaining = len(generations)
         while remaining:
-            try:
-                async with asyncio.timeout(KEEP_ALIVE_S):
-                    index, batch = await queue.get()
-            except TimeoutError:
-                yield 0, []
-                continue
-            remaining -= batch[-1].finish_reason is not None
+            index, batch = await queue.get()
+            remaining -= bool(batch) and batch[-1].finish_reason is not None
             yield index, batch
     finally:
         for task in pumps:

@@ -63,7 +63,9 @@ class Generation:
         self._metrics = metrics
         self._bridge = bridge
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue()  # None: a keep-alive is due
+        self._last_event_at = self._loop.time()
+        self._keep_alive_timer: asyncio.TimerHandle | None = None
         self._arrived = arrived  # time.perf_counter() when the request came in
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -109,21 +111,39 @@ class Generation:
     async def event_batches(self, idle_s: float | None = None) -> AsyncIterator[list[StreamEvent]]:
         """Events as they come, all those waiting at once in one batch; the last ends with the finish event.
 
-        With `idle_s`, an empty batch each time that long passes without an event (a queued or preempted
-        request): a stream sends a keep-alive then, so clients' read timeouts do not end it.
+        With `idle_s`, an empty batch whenever that long passes without an event (a queued or preempted
+        request): a stream sends a keep-alive then, so clients' read timeouts do not end it. One timer per
+        stream watches for that, re-armed each idle_s: nothing is added to the wait for each event.
         """
-        while True:
-            try:
-                async with asyncio.timeout(idle_s):  # a timer handle, no task: cheap on every event
-                    batch = [await self._queue.get()]
-            except TimeoutError:
-                yield []
-                continue
-            while batch[-1].finish_reason is None and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            yield batch
-            if batch[-1].finish_reason is not None:
-                return
+        if idle_s is not None:
+            self._keep_alive_timer = self._loop.call_later(idle_s, self._keep_alive, idle_s)
+        try:
+            while True:
+                first = await self._queue.get()
+                if first is None:
+                    yield []
+                    continue
+                batch = [first]
+                while batch[-1].finish_reason is None and not self._queue.empty():
+                    event = self._queue.get_nowait()
+                    if event is not None:  # a keep-alive overtaken by events: nothing to send
+                        batch.append(event)
+                yield batch
+                if batch[-1].finish_reason is not None:
+                    return
+        finally:
+            if self._keep_alive_timer is not None:
+                self._keep_alive_timer.cancel()
+
+    def _keep_alive(self, idle_s: float) -> None:
+        """Queue a keep-alive (None) if no event came for idle_s, and look again when the next one would be due."""
+        if self.finished:
+            return
+        quiet = self._loop.time() - self._last_event_at
+        if quiet >= idle_s:
+            self._queue.put_nowait(None)
+            self._last_event_at, quiet = self._loop.time(), 0.0
+        self._keep_alive_timer = self._loop.call_later(idle_s - quiet, self._keep_alive, idle_s)
 
     def cancel(self) -> None:
         """Stop the request if it still runs (its cells are freed by the engine before its next step)."""
@@ -138,6 +158,7 @@ class Generation:
 
     def _on_event(self, event: StreamEvent) -> None:
         now = time.perf_counter()
+        self._last_event_at = self._loop.time()
         if event.logprob is not None:
             self.logprobs.append(event.logprob)
         if event.prompt_logprobs is not None:
