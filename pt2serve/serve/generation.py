@@ -64,7 +64,7 @@ class Generation:
         self._bridge = bridge
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue()  # None: a keep-alive is due
-        self._last_event_at = self._loop.time()
+        self._last_event_at = time.perf_counter()
         self._keep_alive_timer: asyncio.TimerHandle | None = None
         self._arrived = arrived  # time.perf_counter() when the request came in
         self._first_token_at: float | None = None
@@ -139,10 +139,10 @@ class Generation:
         """Queue a keep-alive (None) if no event came for idle_s, and look again when the next one would be due."""
         if self.finished:
             return
-        quiet = self._loop.time() - self._last_event_at
+        quiet = time.perf_counter() - self._last_event_at
         if quiet >= idle_s:
             self._queue.put_nowait(None)
-            self._last_event_at, quiet = self._loop.time(), 0.0
+            self._last_event_at, quiet = time.perf_counter(), 0.0
         self._keep_alive_timer = self._loop.call_later(idle_s - quiet, self._keep_alive, idle_s)
 
     def cancel(self) -> None:
@@ -158,7 +158,7 @@ class Generation:
 
     def _on_event(self, event: StreamEvent) -> None:
         now = time.perf_counter()
-        self._last_event_at = self._loop.time()
+        self._last_event_at = now
         if event.logprob is not None:
             self.logprobs.append(event.logprob)
         if event.prompt_logprobs is not None:
