@@ -49,9 +49,9 @@ class RandomStep:
         query_indptr = ops.query_indptr(self.token_seq, num_seqs)
         own = ops.call_site_config(num_tokens, num_seqs, num_heads, self.k_pool.shape[1])
         chosen = config or own
-        block_seq = ops.block_sequences(query_indptr, chosen.num_blocks(num_tokens, num_seqs), chosen.block_q)
+        block_seq_end = ops.block_sequence_ends(query_indptr, chosen.num_blocks(num_tokens, num_seqs), chosen.block_q)
         args = (self.q, self.k_pool, self.v_pool, self.positions, self.token_seq, query_indptr,
-                self.seq_indptr, self.seq_cells, block_seq)
+                self.seq_indptr, self.seq_cells, block_seq_end)
         if config is None:
             return ops.cell_attention(*args, *dataclasses.astuple(own))
         return ops.launch_cell_attention(*args, config)
@@ -116,13 +116,44 @@ def launch_config(num_tokens, num_seqs: int, num_heads: int, num_kv_heads: int) 
     return dataclasses.replace(config, max_splits=min(config.max_splits, 4))
 
 
-def test_block_sequences():
+def test_step_tables():
     # Sequences of 5, 0, 1 and 9 tokens in blocks of 4, on a grid of 15 // 4 + 4 = 7 blocks. Each sequence's
     # blocks start at query_indptr[r] // 4 + r: 0, 2, 3, 4. Block 2 belongs to the empty sequence 1 (its program
     # finds no token and exits).
-    query_indptr = torch.tensor([0, 5, 5, 6, 15])
-    blocks = ops.block_sequences(query_indptr, 15 // 4 + 4, 4)
-    assert blocks.tolist() == [0, 0, 1, 2, 3, 3, 3]
+    token_seq = torch.tensor([0] * 5 + [2] + [3] * 9)
+    query_indptr = ops.query_indptr(token_seq, 4)
+    assert query_indptr.tolist() == [0, 5, 5, 6, 15]
+    blocks = ops.block_sequence_ends(query_indptr, 15 // 4 + 4, 4)
+    assert (blocks - 1).tolist() == [0, 0, 1, 2, 3, 3, 3]
+
+
+@torch.library.custom_op("pt2serve_test::read_tables", mutates_args=())
+def _read_tables(x: torch.Tensor, query_indptr: torch.Tensor, block_seq_end: torch.Tensor) -> torch.Tensor:
+    return x + query_indptr.sum() + block_seq_end.sum()
+
+
+@_read_tables.register_fake
+def _(x, query_indptr, block_seq_end):
+    return torch.empty_like(x)
+
+
+def test_step_tables_are_computed_once_for_every_layer():
+    """Each layer's attention call reads the step's tables: the compiled step must build them once, not once per
+    reader (a pointwise op at their end would be recomputed into a buffer per call)."""
+    from torch._inductor.utils import run_and_get_code
+
+    def step(x, token_seq):
+        query_indptr = ops.query_indptr(token_seq, 3)
+        block_seq_end = ops.block_sequence_ends(query_indptr, 7, 4)
+        for _ in range(4):  # layers
+            x = _read_tables(x, query_indptr, block_seq_end)
+        return x
+
+    token_seq = torch.tensor([0, 0, 1, 2, 2])
+    _, (code,) = run_and_get_code(torch.compile(step, backend="inductor"), torch.zeros(2), token_seq)
+    table_buffers = [line for line in code.splitlines() if "empty_strided_cpu((7, )" in line
+                     or "empty_strided_cpu((4, )" in line]
+    assert len(table_buffers) <= 2, table_buffers
 
 
 def test_launch_configs_per_call_site():

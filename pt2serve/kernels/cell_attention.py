@@ -9,8 +9,8 @@ Work is cut into programs of (query block, KV head, split):
 - a query block is up to BLOCK_Q consecutive tokens of ONE sequence, times the GROUP query heads that share
   a KV head, stacked as BLOCK_M = BLOCK_Q * GROUP rows, so each K/V cell is loaded once per KV head;
 - the grid's first axis is an upper bound on the number of query blocks, T // BLOCK_Q + R (each sequence
-  adds at most one partial block); `block_seq` says which sequence each block belongs to (derived once per
-  step by `block_sequences`, so a program finds its work in one load), so nothing about the step's layout
+  adds at most one partial block); `block_seq_end` says which sequence each block belongs to (derived once per
+  step by `block_sequence_ends`, so a program finds its work in one load), so nothing about the step's layout
   comes from host shapes and a CUDA graph can replay any step;
 - a sequence with at most BLOCK_Q tokens (decodes, short chunks) splits its KV walk over up to
   `num_splits` programs (flash-decoding), so one long sequence still fills the GPU; their partial results
@@ -42,24 +42,30 @@ def is_available() -> bool:
     return triton is not None
 
 
+# Both step tables below end in a cumsum on purpose: Inductor stores a scan's result once, while a pointwise
+# op after it (a cat, a "- 1") would be recomputed into a fresh buffer for every layer's kernel call that
+# reads it (measured: 64 extra kernels in an 8B decode step).
+
+
 def query_indptr(token_seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """[R+1]: where each sequence's tokens start in the step (tokens of one sequence are consecutive)."""
-    counts = torch.zeros(num_seqs, dtype=token_seq.dtype, device=token_seq.device)
-    counts = counts.scatter_add(0, token_seq, torch.ones_like(token_seq))
-    return torch.cat((counts.new_zeros(1), counts.cumsum(0)))
+    counts = torch.zeros(num_seqs + 1, dtype=token_seq.dtype, device=token_seq.device)
+    counts = counts.scatter_add(0, token_seq + 1, torch.ones_like(token_seq))
+    return counts.cumsum(0)
 
 
-def block_sequences(query_indptr: torch.Tensor, num_blocks: int, block_q: int) -> torch.Tensor:
-    """[num_blocks]: the sequence each query block belongs to (blocks past the last real one: the last sequence).
+def block_sequence_ends(query_indptr: torch.Tensor, num_blocks: int, block_q: int) -> torch.Tensor:
+    """[num_blocks]: 1 + the sequence each query block belongs to (blocks past the last real one: the last
+    sequence), so the kernel's sequence is this minus one.
 
     Sequence r's blocks start at query_indptr[r] // block_q + r, a strictly increasing number, so marking
-    each start and counting the marks up to a block gives its sequence.
+    each start and counting the marks up to a block gives its sequence + 1.
     """
     num_seqs = query_indptr.shape[0] - 1
     first_block = query_indptr[:-1] // block_q + torch.arange(num_seqs, device=query_indptr.device)
     marks = torch.zeros(num_blocks, dtype=query_indptr.dtype, device=query_indptr.device)
     marks = marks.index_put((first_block,), torch.ones_like(first_block))
-    return marks.cumsum(0) - 1
+    return marks.cumsum(0)
 
 
 # -- the plain PyTorch reference (the CPU implementation) ---------------------------------------------------
@@ -171,7 +177,7 @@ if triton is not None:
         query_indptr_ptr,  # [R+1]
         seq_indptr_ptr,  # [R+1]
         seq_cells_ptr,  # [E]
-        block_seq_ptr,  # [grid's query blocks]
+        block_seq_end_ptr,  # [grid's query blocks]: 1 + each block's sequence
         max_splits,
         NUM_HEADS: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
@@ -189,7 +195,7 @@ if triton is not None:
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
 
-        seq = tl.load(block_seq_ptr + block)
+        seq = tl.load(block_seq_end_ptr + block) - 1
         query_start = tl.load(query_indptr_ptr + seq)
         num_queries = tl.load(query_indptr_ptr + seq + 1) - query_start
         first_query = (block - (query_start // BLOCK_Q + seq)) * BLOCK_Q
@@ -295,7 +301,7 @@ if triton is not None:
         tl.store(out_ptr + (token * NUM_HEADS + head) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
     def launch_cell_attention(
-        q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq, config: LaunchConfig
+        q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq_end, config: LaunchConfig
     ) -> torch.Tensor:
         """Run both kernels with an explicit launch config (the operator picks one per call site)."""
         num_tokens, num_heads, head_dim = q.shape
@@ -305,9 +311,9 @@ if triton is not None:
         out = torch.empty_like(q)
         partial_out = q.new_empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32)
         partial_stats = q.new_empty((num_tokens, num_heads, splits, 2), dtype=torch.float32)
-        torch.library.wrap_triton(_cell_attention_kernel)[(block_seq.shape[0], num_kv_heads, splits)](
+        torch.library.wrap_triton(_cell_attention_kernel)[(block_seq_end.shape[0], num_kv_heads, splits)](
             out, partial_out, partial_stats, q, k_pool, v_pool, positions, query_indptr, seq_indptr, seq_cells,
-            block_seq, splits,
+            block_seq_end, splits,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_Q=config.block_q, BLOCK_M=config.block_m, BLOCK_N=config.block_n, MIN_SPLIT=config.min_split,
             SCALE_LOG2=head_dim**-0.5 * LOG2E,
@@ -333,7 +339,7 @@ if triton is not None:
         query_indptr: torch.Tensor,  # [R+1]
         seq_indptr: torch.Tensor,  # [R+1]
         seq_cells: torch.Tensor,  # [E]
-        block_seq: torch.Tensor,  # [query blocks], from block_sequences with this config
+        block_seq_end: torch.Tensor,  # [query blocks], from block_sequence_ends with this config
         block_q: int,  # the LaunchConfig fields, in order: fixed in the traced graph, never re-derived
         block_m: int,
         block_n: int,
@@ -345,7 +351,7 @@ if triton is not None:
         """Each token attends over its own sequence's cells at positions 0 .. its own position."""
         config = LaunchConfig(block_q, block_m, block_n, max_splits, min_split, num_warps, num_stages)
         return launch_cell_attention(
-            q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq, config
+            q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq_end, config
         )
 
 

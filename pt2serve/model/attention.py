@@ -53,7 +53,7 @@ class StepAttention:
             num_seqs = seq_indptr.shape[0] - 1
             self.query_indptr = ops.query_indptr(token_seq, num_seqs)
             self.config = ops.call_site_config(positions.shape[0], num_seqs, num_heads, num_kv_heads)
-            self.block_seq = ops.block_sequences(
+            self.block_seq_end = ops.block_sequence_ends(
                 self.query_indptr, self.config.num_blocks(positions.shape[0], num_seqs), self.config.block_q
             )
         else:
@@ -64,6 +64,6 @@ class StepAttention:
         if self.impl is AttentionImpl.KERNEL:
             return torch.ops.pt2serve.cell_attention(
                 q, k_pool, v_pool, self.positions, self.token_seq, self.query_indptr, self.seq_indptr,
-                self.seq_cells, self.block_seq, *dataclasses.astuple(self.config),
+                self.seq_cells, self.block_seq_end, *dataclasses.astuple(self.config),
             )
         return ops.masked_cell_attention(q, k_pool, v_pool, self.seq_cells, self.mask)

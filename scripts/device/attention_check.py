@@ -56,8 +56,8 @@ def config_for(step, static: bool) -> ops.LaunchConfig:
 def runner(step, config: ops.LaunchConfig):
     """A call of the operator's kernels on `step` with `config`, its block table built once (as per step)."""
     q, _, _, _, _, query_indptr, seq_indptr, _ = step
-    block_seq = ops.block_sequences(query_indptr, config.num_blocks(q.shape[0], seq_indptr.shape[0] - 1), config.block_q)
-    return lambda: ops.launch_cell_attention(*step, block_seq, config)
+    block_seq_end = ops.block_sequence_ends(query_indptr, config.num_blocks(q.shape[0], seq_indptr.shape[0] - 1), config.block_q)
+    return lambda: ops.launch_cell_attention(*step, block_seq_end, config)
 
 
 def reference(step) -> torch.Tensor:
