@@ -4,7 +4,8 @@
 # floor. One markdown table last.
 # GPU (default): the qwen3-0.6b preset (bf16) with a random DFlash draft of the published shape (DRAFT_LAYERS=5
 # Qwen3 layers, block 16), exported to /tmp/dflash-PRESET-BACKEND.pt2 (reused when present) with two static
-# widths (1 and 16) and one draft size, so the export stays short. After the export it keeps to RUN_LIMIT_S (170 s).
+# widths (1 and 16) and one draft size, so the export stays short. After the export it keeps to RUN_LIMIT_S (170 s);
+# EXPORT_ONLY=1 stops after the export.
 # CPU: PRESET=tiny BACKEND=cpu DRAFT_LAYERS=1 scripts/device/dflash.sh
 set -uo pipefail
 export CXX=/usr/bin/g++   # the image's default g++ carries its own libstdc++, and loading then segfaults
@@ -35,6 +36,7 @@ write_random_draft(sys.argv[1], CONFIGS[sys.argv[2]], num_layers=int(sys.argv[3]
   echo "export seconds: $(( $(date +%s) - start ))"
 fi
 
+[ -n "${EXPORT_ONLY:-}" ] && exit 0
 timeout $(( ${RUN_LIMIT_S:-170} + 60 )) "$PYTHON" scripts/device/dflash.py "$ARTIFACT" \
   --seconds "${RUN_LIMIT_S:-170}" --json "$OUT/dflash.json" \
   ${NUM_DRAFT_TOKENS:+--num-draft-tokens "$NUM_DRAFT_TOKENS"} \

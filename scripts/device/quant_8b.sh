@@ -4,8 +4,8 @@
 #   1. the quantized linear's kernels on the 8B shapes against bf16 torch.mm (scripts/device/quant_kernels.py)
 #   2. toy-greedy exported with --quantize int8 and int4 (+ LM head and embedding): the method check (every
 #      compiled method against the eager quantized model) and the width check (graphs on/off, designed tokens)
-#   3. the llama-3.1-8b preset exported bf16, int8 and int4 (group 128), one after another (never in parallel:
-#      each export's workers hold the weights), with sizes and load times
+#   3. the llama-3.1-8b preset exported bf16, int8 and int4 (group 128; FORMATS picks), one after another (never in
+#      parallel: each export's workers hold the weights), with sizes and load times; EXPORT_FLAGS adds flags
 #   4. bench sweep at T=1,32,64,1024 on each, and bench --mode quality of int8 and int4 against bf16
 # The table comes last.
 set -uo pipefail
@@ -43,9 +43,9 @@ fi
 if step 3; then
 echo "== 3. $PRESET bf16 / int8 / int4"
 : > "$OUT/exports.tsv"
-for q in bf16 int8 int4; do
-  flags=""
-  [ "$q" != bf16 ] && flags="--quantize $q"
+for q in ${FORMATS:-bf16 int8 int4}; do
+  flags="${EXPORT_FLAGS:-}"
+  [ "$q" != bf16 ] && flags="$flags --quantize $q"
   start=$(date +%s)
   timeout ${EXPORT_LIMIT_S:-900} python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache --preset "$PRESET" \
     --max-context 4096 --graph-entries 8192 --forward-sizes "$SIZES" $flags -o "$WORK/$q.pt2" > "$OUT/$q-export.log" 2>&1 \
@@ -57,7 +57,7 @@ from pt2serve.runtime.artifact import load_artifact
 started = time.perf_counter(); load_artifact('$WORK/$q.pt2'); torch.cuda.synchronize()
 print(f'{time.perf_counter() - started:.1f}')")
   printf "%s\t%s\t%s\t%s\n" "$q" "$(stat -c %s "$WORK/$q.pt2")" "$seconds" "$load" >> "$OUT/exports.tsv"
-  pt2serve inspect "$WORK/$q.pt2" | grep -i "quantization\|weights"
+  pt2serve inspect "$WORK/$q.pt2" | grep -i "quantization\|weights\|matmul"
 done
 
 fi
