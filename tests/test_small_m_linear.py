@@ -201,6 +201,19 @@ def test_tuning_times_every_shape_and_width_on_the_gpu():
     assert set(choices.configs) == {t.key for t in timings if t.chosen is not None}
 
 
+@pytest.mark.cuda
+def test_tuning_times_every_quantized_shape_and_takes_a_config_for_each():
+    from pt2serve.export.linear_tuning import tune
+    from pt2serve.model.quant import QuantScheme, quantize_model
+
+    model = build_preset_model("tiny", torch.bfloat16, "cuda").eval()
+    quantize_model(model, QuantScheme.from_flags("int4", 32, lm_head=True, embedding=False))
+    choices, timings = tune(model, (1, 16, 64), show_progress=False)
+    assert {(t.shape, t.width) for t in timings} == {(s, w) for s in model_matmuls(model) for w in (1, 16, 64)}
+    assert all(t.shape.quant is not None and t.baseline_ms > 0 and t.chosen is not None for t in timings)
+    assert set(choices.configs) == {t.key for t in timings}
+
+
 def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkeypatch):
     """The tuning loop on the CPU with made-up times: every candidate config it has runs (in the interpreter), a key
     takes the fastest config where it beats cuBLAS past the margin, and stays cuBLAS where it does not."""
