@@ -98,7 +98,8 @@ def export_command(
     tune_matmuls: bool = typer.Option(
         True, "--tune-matmuls/--no-tune-matmuls",
         help="cuda: time the small-step matmul kernels against cuBLAS for each weight shape and static width, "
-             "and build each method with the faster (recorded in the metadata; nothing is tuned at load).",
+             "and each tile config of a quantized weight's kernel, and build each method with the fastest "
+             "(recorded in the metadata; nothing is tuned at load).",
     ),
 ) -> None:
     """Trace a model and compile it into one multi-method .pt2 package."""
@@ -186,13 +187,27 @@ def describe_draft_record(record: dict | None) -> str:
 
 
 def describe_linear_kernels(record: dict | None) -> str:
-    """One line for `inspect`: how many timed shapes took a Triton kernel, and a step's matmuls each way."""
+    """One line for `inspect`: how many timed float shapes took a Triton kernel instead of cuBLAS, how many
+    quantized ones were tuned, and a step's matmuls untuned and tuned."""
     if record is None:
         return "cuBLAS (not tuned)"
-    timings = record["timings"]
-    widths = "; ".join(f"M={width}: {ms['cublas']:.2f} -> {ms['chosen']:.2f} ms"
+    # Quantized timings name a default config as their baseline; records from before they were timed name none.
+    dense = [t for t in record["timings"] if t.get("baseline", "cuBLAS") == "cuBLAS"]
+    parts = []
+    if dense:
+        parts.append(f"Triton kernel for {sum(t['chosen'] for t in dense)} of {len(dense)} shape x width")
+    quantized = len(record["timings"]) - len(dense)
+    if quantized:
+        parts.append(f"quantized kernel config tuned for {quantized} shape x width")
+    widths = "; ".join("M={}: {:.2f} -> {:.2f} ms".format(width, *_untuned_and_tuned(ms))
                        for width, ms in record["step_matmuls_ms"].items())
-    return f"Triton kernel for {len(record['choices'])} of {len(timings)} shape x width; cuBLAS -> chosen: {widths}"
+    return f"{', '.join(parts)}; untuned -> tuned: {widths}"
+
+
+def _untuned_and_tuned(step_ms: dict) -> tuple[float, float]:
+    if "untuned" in step_ms:
+        return step_ms["untuned"], step_ms["tuned"]
+    return step_ms["cublas"], step_ms["chosen"]  # records from before quantized weights were tuned
 
 
 def describe_quantization_record(record: dict | None) -> str:

@@ -113,6 +113,35 @@ def test_small_m_kernel_splits_k(kernels):
         check(out, reference_quant_linear(x, qweight, scales, zeros, perm, bits, group_size))
 
 
+STEP_CASES = [
+    # format, block bytes, split K, whether every step of every split is whole (EVEN_B)
+    ((4, 40, 1024, 128, True, False), 64, 2, True),
+    ((4, 24, 1152, 64, True, True), 64, 3, True),  # a short block of 128 columns: its halves are whole steps
+    ((4, 40, 1000, 128, False, True), 64, 2, False),  # 500 bytes: the last step is cut short
+    ((4, 40, 1152, 128, False, False), 128, 1, False),  # the short block's 64 bytes are half a step
+    ((8, 40, 640, 128, False, False), 128, 2, True),  # splits of 384 and 256 bytes: whole steps either way
+    ((8, 40, 520, 64, True, True), 128, 2, False),
+]
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=lambda case: f"{format_id(case[0])}-b{case[1]}-k{case[2]}")
+def test_whole_and_partial_steps_match_reference(kernels, case):
+    """Rows of whole steps load with one mask per step (EVEN_B), the others with one per byte; the gemv
+    kernel's load of the step past its split must not read past the row either way."""
+    fmt, block_bytes, split_k, whole = case
+    bits, n, k, group_size, has_zeros, has_perm = fmt
+    row_bytes = k * bits // 8
+    assert kernels._whole_steps(row_bytes, block_bytes) == whole
+    qweight, scales, zeros, perm = random_format(bits, n, k, group_size, has_zeros, has_perm, seed=k + block_bytes)
+    for num_rows in (1, kernels.GEMV_M_MAX + 5):
+        use_dot = num_rows > kernels.GEMV_M_MAX
+        block_m = 16 if use_dot else 1
+        config = kernels.QuantLaunchConfig(use_dot, block_m, 16, block_bytes, 4, 2 if use_dot else 1, split_k)
+        x = torch.randn(num_rows, k, device=DEVICE)
+        out = kernels.launch_small_m(x, qweight, scales, zeros, perm, bits, group_size, config)
+        check(out, reference_quant_linear(x, qweight, scales, zeros, perm, bits, group_size))
+
+
 @pytest.mark.parametrize("fmt", [FORMATS[i] for i in (1, 2, 4, 7)], ids=format_id)
 def test_dequantize_kernel_matches_the_format(kernels, fmt):
     bits, n, k, group_size, has_zeros, has_perm = fmt
@@ -158,9 +187,11 @@ def test_operator_exports_with_a_dynamic_width(tmp_path):
 
 def test_device_benchmark_runs_on_the_cpu():
     """scripts/device/quant_kernels.py --cpu-smoke: every row of both tables is computed, and correct."""
-    script = Path(__file__).parents[1] / "scripts" / "device" / "quant_kernels.py"
+    root = Path(__file__).parents[1]
+    script = root / "scripts" / "device" / "quant_kernels.py"
+    env = os.environ | {"PYTHONPATH": str(root)}  # this checkout's pt2serve, not whichever one is installed
     done = subprocess.run([sys.executable, str(script), "--cpu-smoke", "--widths", "1,65", "--configs"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["tiny"]]
     widths = [(row[1], row[2]) for row in rows[:4]]
@@ -169,3 +200,139 @@ def test_device_benchmark_runs_on_the_cpu():
     assert len(configs) > 10 and {row[3] for row in configs} == {"gemv", "dot"}
     errors = [float(row[3]) for row in rows[:4]] + [float(row[-3]) for row in configs]
     assert max(errors) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ export-time choice
+
+
+def quantized_tiny_model(scheme: str, group_size: int | None):
+    from pt2serve.model.presets import build_preset_model
+    from pt2serve.model.quant import QuantScheme, quantize_model
+
+    model = build_preset_model("tiny", torch.float32, DEVICE).eval()
+    quantize_model(model, QuantScheme.from_flags(scheme, group_size, lm_head=True, embedding=False))
+    return model
+
+
+def test_model_matmuls_lists_quantized_projections_by_format():
+    from pt2serve.export.linear_tuning import MatmulShape, model_matmuls
+    from pt2serve.kernels.linear_choice import QuantFormat
+
+    model = quantized_tiny_model("int4", 32)
+    cfg = model.config
+    fmt = QuantFormat(4, 32, has_zeros=True, has_perm=False)
+    assert fmt.kind == "int4g32-zeros"
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    expected = [
+        (q + 2 * kv, cfg.hidden_size, cfg.num_layers),
+        (cfg.hidden_size, q, cfg.num_layers),
+        (2 * cfg.intermediate_size, cfg.hidden_size, cfg.num_layers),  # gate/up: a plain quantized matmul
+        (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers),
+        (cfg.vocab_size, cfg.hidden_size, 1),
+    ]
+    merged: dict = {}
+    for rows, cols, count in expected:
+        shape = MatmulShape(fmt.kind, rows, cols, fmt)
+        merged[shape] = merged.get(shape, 0) + count
+    assert model_matmuls(model) == merged
+
+
+def test_choices_keep_the_config_class_of_their_kind():
+    from pt2serve.kernels.linear_choice import (
+        LaunchConfig, LinearChoices, QuantFormat, QuantLaunchConfig, choice_key)
+
+    fmt = QuantFormat(8, 4096, has_zeros=False, has_perm=True)
+    choices = LinearChoices({
+        choice_key("linear", 24, 64, 2, torch.bfloat16): LaunchConfig(False, 2, 8, 256, 4),
+        choice_key(fmt.kind, 24, 64, 2, torch.bfloat16): QuantLaunchConfig(True, 16, 64, 64, 4, 3, 2),
+    })
+    assert LinearChoices.from_dict(choices.to_dict()).configs == choices.configs
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert choices.lookup_quant(fmt, x, 24) == QuantLaunchConfig(True, 16, 64, 64, 4, 3, 2)
+    assert choices.lookup_quant(QuantFormat(8, 4096, False, False), x, 24) is None  # another format
+    assert choices.lookup_quant(fmt, torch.randn(3, 64, dtype=torch.bfloat16), 24) is None  # another width
+
+
+def test_tuning_times_every_quantized_config_and_keeps_the_fastest(kernels, monkeypatch):
+    """The tuning loop on the CPU with made-up times: every candidate runs (in the interpreter) on random packed
+    weights of each quantized shape, and each key takes its fastest config, the default included."""
+    from pt2serve.export import linear_tuning
+    from pt2serve.export.linear_tuning import describe, model_matmuls
+
+    model = quantized_tiny_model("int4", 32)
+    shapes, widths = list(model_matmuls(model)), (1, 16)
+    candidates = kernels.small_m_candidates
+    # Three configs per key keep the interpreter's time down; every config runs in the tests above.
+    monkeypatch.setattr(kernels, "small_m_candidates", lambda *args: candidates(*args)[:3])
+    times = []  # in the order tune() times them: per shape, per width, each candidate (the default first)
+    for _ in shapes:
+        times += [1.0, 0.9, 0.5]  # width 1: the last candidate is the fastest
+        times += [1.0, 1.2, 1.1]  # width 16: the default is
+    fake = iter(times)
+
+    def run_and_time(work, replays) -> float:
+        work()
+        return next(fake)
+
+    monkeypatch.setattr(linear_tuning, "ROTATION_BYTES", 1)  # one copy of each weight
+    monkeypatch.setattr(linear_tuning, "graph_replay_ms", run_and_time)
+    choices, timings = linear_tuning.tune(model, widths + (128,), show_progress=False)  # 128: no static kernel
+    assert next(fake, None) is None  # every candidate was timed
+    assert [(t.shape, t.width) for t in timings] == [(s, w) for s in shapes for w in widths]
+    for t in timings:
+        configs = candidates(t.width, t.shape.rows, t.shape.cols, 4, kernels.DEFAULT_NUM_SMS)
+        assert t.baseline_ms == 1.0 and t.baseline == f"default {configs[0].name}"
+        assert t.chosen == configs[2 if t.width == 1 else 0]
+    assert choices.configs == {t.key: t.chosen for t in timings}
+    record = describe(model, timings)
+    per_step = sum(model_matmuls(model).values())
+    assert record["step_matmuls_ms"] == {"1": {"untuned": per_step * 1.0, "tuned": per_step * 0.5},
+                                         "16": {"untuned": per_step * 1.0, "tuned": per_step * 1.0}}
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[i] for i in (0, 8)], ids=format_id)
+def test_the_operator_with_a_chosen_config_matches_reference(kernels, fmt):
+    bits, n, k, group_size, has_zeros, has_perm = fmt
+    qweight, scales, zeros, perm = random_format(bits, n, k, group_size, has_zeros, has_perm, seed=3)
+    for num_rows in (1, 20):
+        config = kernels.small_m_candidates(num_rows, n, k, bits, kernels.DEFAULT_NUM_SMS)[-1]
+        x = torch.randn(num_rows, k, device=DEVICE)
+        out = torch.ops.pt2serve.quant_linear_small_m(
+            x, qweight, scales, zeros, perm, bits, group_size, config.use_dot, config.block_m, config.block_n,
+            config.block_bytes, config.num_warps, config.num_stages, config.split_k)
+        check(out, reference_quant_linear(x, qweight, scales, zeros, perm, bits, group_size))
+
+
+def test_a_chosen_config_is_traced_into_the_call(tmp_path):
+    """Exported with choices (in a fresh process without the interpreter, as above): a chosen width holds the
+    operator with its config as arguments, another width the default operator."""
+    script = textwrap.dedent("""
+        import torch
+        from pt2serve.kernels.linear_choice import LinearChoices, QuantFormat, QuantLaunchConfig, choice_key, using
+        from pt2serve.kernels.quant_linear import pack, triton_quant_linear
+
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("qweight", pack(torch.randint(0, 16, (96, 128)), 4))
+                self.register_buffer("scales", torch.rand(96, 2))
+                self.register_buffer("zeros", torch.randint(0, 16, (96, 2), dtype=torch.uint8))
+
+            def forward(self, x):
+                return triton_quant_linear(x, self.qweight, self.scales, self.zeros, None, 4, 64)
+
+        config = QuantLaunchConfig(True, 16, 32, 64, 4, 3, 2)
+        key = choice_key(QuantFormat(4, 64, True, False).kind, 96, 128, 4, torch.float32)
+        with using(LinearChoices({key: config})):
+            for width in (4, 5):
+                program = torch.export.export(Layer(), (torch.randn(width, 128),), strict=False)
+                calls = [node for node in program.graph.nodes if node.op == "call_function"]
+                print(width, [str(node.target) for node in calls], list(calls[0].args[5:]))  # past x and the weights
+    """)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-2] == "4 ['pt2serve.quant_linear_small_m.default'] [4, 64, True, 16, 32, 64, 4, 3, 2]"
+    assert lines[-1] == "5 ['pt2serve.quant_linear.default'] [4, 64]"

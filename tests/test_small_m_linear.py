@@ -145,7 +145,7 @@ def test_describe_sums_a_steps_matmuls_with_and_without_the_choices():
     timings = [Timing(shape, 1, torch.float32, 1.0, config, 0.5) for shape in calls]
     record = describe(model, timings)
     per_step = sum(calls.values())
-    assert record["step_matmuls_ms"] == {"1": {"cublas": per_step * 1.0, "chosen": per_step * 0.5}}
+    assert record["step_matmuls_ms"] == {"1": {"untuned": per_step * 1.0, "tuned": per_step * 0.5}}
     assert len(record["timings"]) == len(calls) and all(t["chosen"] for t in record["timings"])
 
 
@@ -197,8 +197,21 @@ def test_tuning_times_every_shape_and_width_on_the_gpu():
     model = build_preset_model("tiny", torch.bfloat16, "cuda").eval()
     choices, timings = tune(model, (1, 4, 64, 128), show_progress=False)
     assert {(t.shape, t.width) for t in timings} == {(s, w) for s in model_matmuls(model) for w in (1, 4, 64)}
-    assert all(t.cublas_ms > 0 and t.best is not None for t in timings)
+    assert all(t.baseline_ms > 0 and t.best is not None for t in timings)
     assert set(choices.configs) == {t.key for t in timings if t.chosen is not None}
+
+
+@pytest.mark.cuda
+def test_tuning_times_every_quantized_shape_and_takes_a_config_for_each():
+    from pt2serve.export.linear_tuning import tune
+    from pt2serve.model.quant import QuantScheme, quantize_model
+
+    model = build_preset_model("tiny", torch.bfloat16, "cuda").eval()
+    quantize_model(model, QuantScheme.from_flags("int4", 32, lm_head=True, embedding=False))
+    choices, timings = tune(model, (1, 16, 64), show_progress=False)
+    assert {(t.shape, t.width) for t in timings} == {(s, w) for s in model_matmuls(model) for w in (1, 16, 64)}
+    assert all(t.shape.quant is not None and t.baseline_ms > 0 and t.chosen is not None for t in timings)
+    assert set(choices.configs) == {t.key for t in timings}
 
 
 def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkeypatch):
@@ -233,3 +246,18 @@ def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkey
         else:
             assert t.chosen is None and t.best_ms == 0.99
     assert set(choices.configs) == {t.key for t in timings if t.width == 1}
+
+
+def test_inspect_sums_up_dense_and_quantized_choices():
+    from pt2serve.cli import describe_linear_kernels
+
+    timings = [{"baseline": "cuBLAS", "chosen": True}, {"baseline": "cuBLAS", "chosen": False},
+               {"baseline": "default gemv m1 n16 b128 w4 s1 k4", "chosen": True}]
+    record = {"timings": timings, "step_matmuls_ms": {"1": {"untuned": 1.0, "tuned": 0.75}}}
+    assert describe_linear_kernels(record) == (
+        "Triton kernel for 1 of 2 shape x width, quantized kernel config tuned for 1 shape x width; "
+        "untuned -> tuned: M=1: 1.00 -> 0.75 ms")
+    earlier = {"timings": [{"cublas_us": 3.0, "chosen": True}],  # before quantized weights were tuned
+               "step_matmuls_ms": {"4": {"cublas": 2.0, "chosen": 1.5}}}
+    assert describe_linear_kernels(earlier) == (
+        "Triton kernel for 1 of 1 shape x width; untuned -> tuned: M=4: 2.00 -> 1.50 ms")

@@ -2,8 +2,11 @@
 
 For every weight shape of the model and every static width up to SMALL_M_MAX, each launch config of the
 small-M kernels (kernels/linear_choice.py) is timed against cuBLAS; a config is chosen only where it beats
-cuBLAS by more than the timing noise. The choices are traced into the methods and recorded in the metadata
-with the times that chose them (nothing is tuned at load).
+cuBLAS by more than the timing noise. A quantized weight always runs its own small-M kernel at these widths
+(kernels/quant_linear_triton.py): every launch config of it is timed on random packed weights of the
+weight's shape and format, and the fastest is chosen (the default config, which an untuned export runs, is
+one of them). The choices are traced into the methods and recorded in the metadata with the times that
+chose them (nothing is tuned at load).
 
 How a time is taken: a step reads each weight once from DRAM, so a kernel timed in a loop over one weight
 would be served partly from L2 (50 MB on an H200). Each measurement captures calls over enough copies of
@@ -20,8 +23,17 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from pt2serve.kernels.graph_timing import graph_replay_ms
-from pt2serve.kernels.linear_choice import SMALL_M_MAX, LaunchConfig, LinearChoices, candidates, choice_key
+from pt2serve.kernels.linear_choice import (
+    SMALL_M_MAX,
+    LaunchConfig,
+    LinearChoices,
+    QuantFormat,
+    QuantLaunchConfig,
+    candidates,
+    choice_key,
+)
 from pt2serve.model.model import Embedding, Linear, Transformer
+from pt2serve.model.quant import QuantizedEmbedding, QuantizedLinear
 
 ROTATION_BYTES = 256 * 2**20  # several times the L2
 REPLAYS = 7
@@ -31,9 +43,10 @@ MARGIN = 0.02
 
 @dataclass(frozen=True)
 class MatmulShape:
-    kind: str  # "linear", or "swiglu" for a stacked gate/up projection whose activation is fused
+    kind: str  # "linear", "swiglu" for a stacked gate/up projection whose activation is fused, or quant.kind
     rows: int  # of the weight (for swiglu: gate and up together)
-    cols: int
+    cols: int  # the weight's inputs (K)
+    quant: QuantFormat | None = None  # a quantized weight's format
 
 
 @dataclass(frozen=True)
@@ -41,50 +54,62 @@ class Timing:
     shape: MatmulShape
     width: int
     dtype: torch.dtype
-    cublas_ms: float
-    best: LaunchConfig | None  # the fastest config that ran; None when none did
+    baseline_ms: float  # what an untuned export runs: cuBLAS, or a quantized weight's default config
+    best: LaunchConfig | QuantLaunchConfig | None  # the fastest config that ran; None when none did
     best_ms: float
+    baseline: str = "cuBLAS"
 
     @property
     def key(self) -> str:
         return choice_key(self.shape.kind, self.shape.rows, self.shape.cols, self.width, self.dtype)
 
     @property
-    def chosen(self) -> LaunchConfig | None:
-        if self.best is None or self.best_ms > self.cublas_ms * (1 - MARGIN):
+    def chosen(self) -> LaunchConfig | QuantLaunchConfig | None:
+        if self.best is None:
+            return None
+        # A dense config must beat cuBLAS past the noise; a quantized weight's default is a config like the
+        # others, so its fastest config is taken as it is.
+        if self.shape.quant is None and self.best_ms > self.baseline_ms * (1 - MARGIN):
             return None
         return self.best
 
+    @property
+    def chosen_ms(self) -> float:
+        return self.best_ms if self.chosen is not None else self.baseline_ms
+
     def to_dict(self) -> dict:
-        return {"key": self.key, "cublas_us": round(self.cublas_ms * 1e3, 2),
+        return {"key": self.key, "baseline": self.baseline, "baseline_us": round(self.baseline_ms * 1e3, 2),
                 "best": self.best.name if self.best else None,
                 "best_us": round(self.best_ms * 1e3, 2) if self.best else None,
                 "chosen": self.chosen is not None}
 
 
 def model_matmuls(model: Transformer) -> dict[MatmulShape, int]:
-    """The weight matmuls a forward runs through `linear`/`swiglu_linear`: shape -> calls per step.
-
-    Quantized projections run their own operator and are not listed.
-    """
+    """The weight matmuls a forward runs: shape -> calls per step. Float weights run through
+    `linear`/`swiglu_linear`, quantized ones through the quantized operator (kind: their format's)."""
     calls: dict[MatmulShape, int] = {}
 
-    def add(kind: str, weight: torch.Tensor) -> None:
-        shape = MatmulShape(kind, *weight.shape)
+    def add(shape: MatmulShape) -> None:
         calls[shape] = calls.get(shape, 0) + 1
+
+    def add_projection(module, kind: str = "linear") -> None:
+        if type(module) in (Linear, Embedding):
+            add(MatmulShape(kind, *module.weight.shape))
+        elif isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            add(_quantized_shape(module))
 
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for projection in (attn.qkv_proj, attn.o_proj, mlp.down_proj):
-            if type(projection) is Linear:
-                add("linear", projection.weight)
-        if type(mlp.gate_up_proj) is Linear:
-            add("swiglu", mlp.gate_up_proj.weight)
-    if model.lm_head is None and type(model.embed_tokens) is Embedding:  # the tied head
-        add("linear", model.embed_tokens.weight)
-    elif type(model.lm_head) is Linear:
-        add("linear", model.lm_head.weight)
+            add_projection(projection)
+        add_projection(mlp.gate_up_proj, "swiglu")  # a quantized one is a plain matmul, then the activation
+    add_projection(model.embed_tokens if model.lm_head is None else model.lm_head)  # a tied head: the embedding
     return calls
+
+
+def _quantized_shape(module: QuantizedLinear | QuantizedEmbedding) -> MatmulShape:
+    fmt = QuantFormat(module.bits, module.group_size, module.zeros is not None, module.perm is not None)
+    return MatmulShape(fmt.kind, module.out_features, module.in_features, fmt)
 
 
 def tune(model: Transformer, widths: tuple[int, ...], show_progress: bool = True) -> tuple[LinearChoices, list[Timing]]:
@@ -95,9 +120,12 @@ def tune(model: Transformer, widths: tuple[int, ...], show_progress: bool = True
     timings = []
     with tqdm(total=len(shapes) * len(widths), desc="timing matmul kernels", disable=not show_progress) as bar:
         for shape in shapes:
-            weights = _rotation(shape, device, dtype)
+            if shape.quant is None:
+                weights, time_shape = _rotation(shape, device, dtype), _time_shape
+            else:
+                weights, time_shape = _quantized_rotation(shape, device, dtype), _time_quantized_shape
             for width in widths:
-                timings.append(_time_shape(shape, width, weights, device, dtype))
+                timings.append(time_shape(shape, width, weights, device, dtype))
                 bar.update()
             del weights
     torch.cuda.empty_cache()
@@ -112,8 +140,6 @@ def _rotation(shape: MatmulShape, device, dtype) -> list[torch.Tensor]:
 
 
 def _time_shape(shape: MatmulShape, width: int, weights: list[torch.Tensor], device, dtype) -> Timing:
-    from triton.runtime.errors import OutOfResources
-
     from pt2serve.kernels import small_m_linear
 
     x = torch.randn(width, shape.cols, device=device, dtype=dtype)
@@ -127,30 +153,73 @@ def _time_shape(shape: MatmulShape, width: int, weights: list[torch.Tensor], dev
         return out
 
     cublas_ms = graph_replay_ms(lambda: [cublas(w) for w in weights], REPLAYS) / len(weights)
-    best, best_ms = None, float("inf")
-    for config in candidates(width, swiglu):
+    times = _time_configs(candidates(width, swiglu), weights,
+                          lambda config, w: small_m_linear.launch(x, w, swiglu, config))
+    best = min(times, key=times.get, default=None)
+    return Timing(shape, width, dtype, cublas_ms, best, times.get(best, float("inf")))
+
+
+def _time_configs(configs: list, weights: list, launch) -> dict:
+    """Milliseconds of one call of each config that runs on this GPU (launch(config, weight))."""
+    from triton.runtime.errors import OutOfResources
+
+    times = {}
+    for config in configs:
         try:
-            work = lambda: [small_m_linear.launch(x, w, swiglu, config) for w in weights]  # noqa: E731
-            ms = graph_replay_ms(work, REPLAYS) / len(weights)
+            work = lambda: [launch(config, w) for w in weights]  # noqa: E731
+            times[config] = graph_replay_ms(work, REPLAYS) / len(weights)
         except OutOfResources:  # tiles this GPU cannot hold (fp32 in shared memory): not a candidate here
             continue
-        if ms < best_ms:
-            best, best_ms = config, ms
-    return Timing(shape, width, dtype, cublas_ms, best, best_ms)
+    return times
+
+
+def _quantized_rotation(shape: MatmulShape, device, dtype) -> list[tuple]:
+    """Copies of random packed weights in the shape's format, as many as make ROTATION_BYTES."""
+    fmt = shape.quant
+    num_groups = -(-shape.cols // fmt.group_size)
+    nbytes = shape.rows * (shape.cols * fmt.bits // 8 + num_groups * (dtype.itemsize + fmt.has_zeros))
+    copies = max(1, -(-ROTATION_BYTES // nbytes))
+    return [_random_packed(shape, num_groups, device, dtype) for _ in range(copies)]
+
+
+def _random_packed(shape: MatmulShape, num_groups: int, device, dtype) -> tuple:
+    """(qweight, scales, zeros, perm): the kernels' time does not depend on the values."""
+    fmt = shape.quant
+    qweight = torch.randint(0, 256, (shape.rows, shape.cols * fmt.bits // 8), dtype=torch.uint8, device=device)
+    scales = torch.rand(shape.rows, num_groups, device=device, dtype=dtype) * 0.01
+    zeros = None
+    if fmt.has_zeros:
+        zeros = torch.randint(0, 2**fmt.bits, (shape.rows, num_groups), dtype=torch.uint8, device=device)
+    perm = torch.randperm(shape.cols, device=device) if fmt.has_perm else None
+    return qweight, scales, zeros, perm
+
+
+def _time_quantized_shape(shape: MatmulShape, width: int, weights: list[tuple], device, dtype) -> Timing:
+    from pt2serve.kernels import quant_linear_triton as kernels
+
+    fmt = shape.quant
+    x = torch.randn(width, shape.cols, device=device, dtype=dtype)
+    configs = kernels.small_m_candidates(width, shape.rows, shape.cols, fmt.bits, kernels.sm_count(x.device))
+    times = _time_configs(configs, weights, lambda config, w: kernels.launch_small_m(
+        x, *w, fmt.bits, fmt.group_size, config))
+    best = min(times, key=times.get, default=None)
+    default = configs[0]  # what the operator runs without a choice
+    return Timing(shape, width, dtype, times.get(default, float("inf")), best, times.get(best, float("inf")),
+                  baseline=f"default {default.name}")
 
 
 def describe(model: Transformer, timings: list[Timing]) -> dict:
-    """The metadata record: every timing, and per width the weight matmuls of one step with cuBLAS only and
-    with the chosen kernels (milliseconds, from the same timings)."""
+    """The metadata record: every timing, and per width the weight matmuls of one step as an untuned export
+    runs them (cuBLAS, quantized weights' default configs) and with the chosen kernels (milliseconds, from
+    the same timings)."""
     calls = model_matmuls(model)
     per_width: dict[int, list[float]] = {}
     for timing in timings:
-        chosen_ms = timing.best_ms if timing.chosen is not None else timing.cublas_ms
         totals = per_width.setdefault(timing.width, [0.0, 0.0])
-        totals[0] += calls[timing.shape] * timing.cublas_ms
-        totals[1] += calls[timing.shape] * chosen_ms
+        totals[0] += calls[timing.shape] * timing.baseline_ms
+        totals[1] += calls[timing.shape] * timing.chosen_ms
     return {
         "timings": [t.to_dict() for t in timings],
-        "step_matmuls_ms": {str(width): {"cublas": round(cublas, 4), "chosen": round(chosen, 4)}
-                            for width, (cublas, chosen) in sorted(per_width.items())},
+        "step_matmuls_ms": {str(width): {"untuned": round(untuned, 4), "tuned": round(tuned, 4)}
+                            for width, (untuned, tuned) in sorted(per_width.items())},
     }

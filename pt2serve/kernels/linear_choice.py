@@ -8,6 +8,10 @@ each (kind, N, K, M, dtype) into the method. `LinearChoices` maps those keys to 
 kernels in small_m_linear.py; a shape without an entry stays a plain matmul (cuBLAS). Nothing is tuned at
 load: the config is part of the traced call.
 
+Quantized weights (kernels/quant_linear.py) always run their own small-M kernel at these widths; the choice
+there is its launch config (QuantLaunchConfig, keyed by the weight's format as the kind, e.g. int4g128-zeros),
+and a weight without an entry takes the kernel's default config.
+
 This module needs no Triton: the model imports it on machines without one, and only a chosen key loads the
 kernels.
 """
@@ -46,6 +50,46 @@ class LaunchConfig:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class QuantLaunchConfig:
+    """Tiles and launch shape of one call of the quantized small-M kernel (kernels/quant_linear_triton.py)."""
+
+    use_dot: bool  # tl.dot on tensor cores, or the gemv kernel's multiply and sum
+    block_m: int
+    block_n: int
+    block_bytes: int  # packed bytes of each weight row per step (int4: divides the format's 128-byte block)
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+    @property
+    def name(self) -> str:
+        kind = "dot" if self.use_dot else "gemv"
+        return (f"{kind} m{self.block_m} n{self.block_n} b{self.block_bytes} w{self.num_warps} "
+                f"s{self.num_stages} k{self.split_k}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """What the quantized kernel is specialized on besides the shape: its choices are keyed by it."""
+
+    bits: int
+    group_size: int  # as the operator takes it: K for one group per row
+    has_zeros: bool
+    has_perm: bool
+
+    @property
+    def kind(self) -> str:
+        """The choice key's kind, e.g. "int4g128-zeros" or "int8g4096"."""
+        return f"int{self.bits}g{self.group_size}" + "-zeros" * self.has_zeros + "-perm" * self.has_perm
+
+
+DENSE_KINDS = ("linear", "swiglu")
+
+
 # gemv holds BLOCK_M x BLOCK_N x BLOCK_K fp32 products per program (two sets with SwiGLU): at most this many
 # per 128 threads keeps them in registers.
 GEMV_PRODUCTS_MAX = 8192
@@ -75,28 +119,39 @@ def _next_power_of_2(n: int) -> int:
 
 
 def choice_key(kind: str, n: int, k: int, num_rows: int, dtype: torch.dtype) -> str:
-    """kind is "linear" or "swiglu"; n is the weight's rows."""
+    """kind is "linear", "swiglu" or a QuantFormat's kind; n is the weight's rows, k its inputs."""
     return f"{kind} {n}x{k} m{num_rows} {str(dtype).removeprefix('torch.')}"
 
 
 class LinearChoices:
     """The kernel the export chose for each key it timed; keys it lacks stay plain matmuls."""
 
-    def __init__(self, configs: dict[str, LaunchConfig]) -> None:
+    def __init__(self, configs: dict[str, LaunchConfig | QuantLaunchConfig]) -> None:
         self.configs = configs
 
     def lookup(self, kind: str, x: torch.Tensor, weight: torch.Tensor) -> LaunchConfig | None:
+        return self._lookup(kind, x, weight.shape[0], weight.shape[1])
+
+    def lookup_quant(self, fmt: QuantFormat, x: torch.Tensor, n: int) -> QuantLaunchConfig | None:
+        return self._lookup(fmt.kind, x, n, x.shape[-1])
+
+    def _lookup(self, kind: str, x: torch.Tensor, n: int, k: int):
         num_rows = x.shape[0]
         if not self.configs or x.dim() != 2 or not is_concrete_int(num_rows) or int(num_rows) > SMALL_M_MAX:
             return None  # forward_others' width is data: it keeps the plain matmul
-        return self.configs.get(choice_key(kind, weight.shape[0], weight.shape[1], int(num_rows), x.dtype))
+        return self.configs.get(choice_key(kind, n, k, int(num_rows), x.dtype))
 
     def to_dict(self) -> dict[str, dict]:
         return {key: config.to_dict() for key, config in self.configs.items()}
 
     @classmethod
     def from_dict(cls, raw: dict[str, dict]) -> "LinearChoices":
-        return cls({key: LaunchConfig(**fields) for key, fields in raw.items()})
+        return cls({key: _config_class(key)(**fields) for key, fields in raw.items()})
+
+
+def _config_class(key: str) -> type:
+    kind = key.split(" ", 1)[0]
+    return LaunchConfig if kind in DENSE_KINDS else QuantLaunchConfig
 
 
 _active = LinearChoices({})
@@ -104,13 +159,19 @@ _active = LinearChoices({})
 
 @contextlib.contextmanager
 def using(choices: LinearChoices) -> Iterator[None]:
-    """Trace the model with these choices (read at trace time by `linear` and `swiglu_linear`)."""
+    """Trace the model with these choices (read at trace time by `linear`, `swiglu_linear` and
+    kernels/quant_linear.py's `quant_linear`)."""
     global _active
     previous, _active = _active, choices
     try:
         yield
     finally:
         _active = previous
+
+
+def quant_choice(fmt: QuantFormat, x: torch.Tensor, n: int) -> QuantLaunchConfig | None:
+    """The config the export chose for a quantized weight of n rows in this format at x's width, if any."""
+    return _active.lookup_quant(fmt, x, n)
 
 
 def _call(x: torch.Tensor, weight: torch.Tensor, swiglu: bool, config: LaunchConfig) -> torch.Tensor:

@@ -27,13 +27,16 @@ each packed byte once and dequantizes it in registers. The zero is a byte, not a
 offset can make it 2**bits (see model/quantized_checkpoint.py).
 
 On CUDA the operator runs Triton kernels (quant_linear_triton.py, imported on first use: CPU-only torch
-builds ship without Triton); everywhere else, and as the kernels' reference, it dequantizes and multiplies.
+builds ship without Triton), with the small-M launch config the export chose where it chose one
+(kernels/linear_choice.py); everywhere else, and as the kernels' reference, it dequantizes and multiplies.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pt2serve.kernels.linear_choice import QuantFormat, quant_choice
 
 SUPPORTED_BITS = (4, 8)
 INT4_BLOCK_COLUMNS = 256  # columns of one split-halves block: 128 bytes, a cache line per row
@@ -127,7 +130,28 @@ def quant_linear(
     Chosen by device at trace time, so a CPU export holds plain aten ops and a CUDA export the kernels.
     """
     if x.is_cuda:
-        from pt2serve.kernels import quant_linear_triton  # noqa: F401  (registers torch.ops.pt2serve.quant_linear)
-
-        return torch.ops.pt2serve.quant_linear(x, qweight, scales, zeros, perm, bits, group_size)
+        return triton_quant_linear(x, qweight, scales, zeros, perm, bits, group_size)
     return reference_quant_linear(x, qweight, scales, zeros, perm, bits, group_size)
+
+
+def triton_quant_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """The Triton operator: the small-M kernel with the config chosen for this weight and width when the
+    export chose one (it is traced into the call as arguments), else the operator's own default."""
+    from pt2serve.kernels import quant_linear_triton  # noqa: F401  (registers the operators)
+
+    fmt = QuantFormat(bits, group_size, zeros is not None, perm is not None)
+    config = quant_choice(fmt, x, qweight.shape[0])
+    if config is None:
+        return torch.ops.pt2serve.quant_linear(x, qweight, scales, zeros, perm, bits, group_size)
+    return torch.ops.pt2serve.quant_linear_small_m(
+        x, qweight, scales, zeros, perm, bits, group_size, config.use_dot, config.block_m, config.block_n,
+        config.block_bytes, config.num_warps, config.num_stages, config.split_k,
+    )

@@ -9,7 +9,9 @@ Which path serves a call is fixed when the method is traced:
   dequantized in registers; the time is the packed bytes over the memory bandwidth, so every program
   streams whole runs of each row (64-256 bytes) and K is split until the GPU holds enough programs to keep
   that many bytes in flight. The splits write fp32 partial sums that one reduction adds (deterministic,
-  unlike atomics). Two kernels, picked by the launch config:
+  unlike atomics). The launch config is the export's choice for the weight's shape, format and width
+  (torch.ops.pt2serve.quant_linear_small_m; kernels/linear_choice.py), or else small_m_config's default
+  (torch.ops.pt2serve.quant_linear). Two kernels, picked by the launch config:
   - gemv: no tensor cores; each weight is multiplied into per-column partial products of each row of x,
     summed across the tile once after the loop (the fewest instructions per weight byte, and no
     cross-thread reduction inside the loop; for M up to GEMV_M_MAX);
@@ -26,6 +28,12 @@ load one scale and zero per row and run instead of per weight, and the dot kerne
 exact q - zero (an integer of at most 9 bits: exact in bf16 and fp16) and scales the run's product once
 per row. Otherwise each weight is scaled with its own column's group.
 
+When BLOCK_B divides the row's bytes (EVEN_B, decided on the host), every step is whole or lies past
+the end, so whether its bytes exist is one scalar per step. Otherwise the byte mask is a vector computed
+from the split's end, which varies along the loads: Triton then loads one byte (one x element) at a time
+with a compare each, and the kernel is bound by instructions instead of memory. The row masks are
+constant along the byte axis and do not stop whole-vector loads.
+
 Integers become floats by the exponent trick (OR into the mantissa of 2**23, then subtract 2**23, folded
 with the zero): two full-rate instructions instead of an int-to-float conversion, which runs at a
 fraction of the rate and would cap int4 below the bandwidth.
@@ -36,7 +44,7 @@ Kernels take sizes as plain ints (constexpr sizes would be specialized silently)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
@@ -44,6 +52,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.library import triton_op, wrap_triton
 
+from pt2serve.kernels.linear_choice import QuantLaunchConfig
 from pt2serve.kernels.quant_linear import INT4_BLOCK_COLUMNS
 
 SMALL_M_MAX = 64
@@ -67,6 +76,29 @@ def _int4_run_starts(b0, K):
     half = tl.minimum(2 * HALF_BLOCK_BYTES, K - block_column) // 2  # a short last block is split in its middle
     low = block_column + (b0 - block * HALF_BLOCK_BYTES)
     return low, low + half
+
+
+@triton.jit
+def _byte_mask(b0, b_end, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr):
+    """Which bytes b0 .. b0 + BLOCK_B of a row exist, broadcast along the bytes. With EVEN_B a step is
+    whole or past the end (the gemv loop loads one step past its split), so one mask holds for the step
+    ([1]); otherwise one per byte ([BLOCK_B])."""
+    if EVEN_B:
+        offs = b0 + tl.arange(0, 1)
+    else:
+        offs = b0 + tl.arange(0, BLOCK_B)
+    return offs < b_end
+
+
+@triton.jit
+def _run_columns(start, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr):
+    """The columns start .. start + BLOCK_B of a run. With EVEN_B every run starts at a multiple of BLOCK_B
+    (steps start at multiples of BLOCK_B, and a short int4 block's halves are whole steps), which lets
+    Triton load x in whole vectors."""
+    columns = start + tl.arange(0, BLOCK_B)
+    if EVEN_B:
+        columns = tl.max_contiguous(tl.multiple_of(columns, BLOCK_B), BLOCK_B)
+    return columns
 
 
 @triton.jit
@@ -106,9 +138,9 @@ def _run_weights(
 
 @triton.jit
 def _load_x_run(x_ptr, perm_ptr, start, offs_m, m_mask, b_mask, stride_xm,
-                HAS_PERM: tl.constexpr, BLOCK_B: tl.constexpr):
+                HAS_PERM: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr):
     """x[offs_m, input features of columns start .. start + BLOCK_B] ([BLOCK_M, BLOCK_B]; 0 past the row)."""
-    columns = start + tl.arange(0, BLOCK_B)
+    columns = _run_columns(start, BLOCK_B, EVEN_B)
     if HAS_PERM:
         columns = tl.load(perm_ptr + columns, mask=b_mask, other=0)
     return tl.load(x_ptr + offs_m[:, None] * stride_xm + columns[None, :],
@@ -116,8 +148,9 @@ def _load_x_run(x_ptr, perm_ptr, start, offs_m, m_mask, b_mask, stride_xm,
 
 
 @triton.jit
-def _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn):
-    """[BLOCK_N, BLOCK_B] bytes as int32: each row's run is contiguous."""
+def _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn, BLOCK_B: tl.constexpr):
+    """[BLOCK_N, BLOCK_B] bytes as int32: each row's run is contiguous (and starts at a multiple of BLOCK_B)."""
+    offs_b = tl.max_contiguous(tl.multiple_of(offs_b, BLOCK_B), BLOCK_B)
     packed = tl.load(qweight_ptr + offs_n[:, None] * stride_qn + offs_b[None, :],
                      mask=n_mask[:, None] & b_mask[None, :], other=0)
     return packed.to(tl.int32)
@@ -131,7 +164,8 @@ def _accumulate_run(
     acc, q, start, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_m, m_mask, offs_n, n_mask, b_mask,
     num_groups, stride_xm,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Adds x[:, run's inputs] @ W[offs_n, run].T for one run of BLOCK_B columns to acc.
 
@@ -140,7 +174,7 @@ def _accumulate_run(
     """
     w, scale = _run_weights(q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
                             BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
-    x = _load_x_run(x_ptr, perm_ptr, start, offs_m, m_mask, b_mask, stride_xm, HAS_PERM, BLOCK_B)
+    x = _load_x_run(x_ptr, perm_ptr, start, offs_m, m_mask, b_mask, stride_xm, HAS_PERM, BLOCK_B, EVEN_B)
     if USE_DOT:
         acc = acc + tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION) * scale[None, :]
     else:
@@ -155,21 +189,22 @@ def _accumulate_step(
     acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_m, m_mask, offs_n, n_mask,
     num_groups, stride_xm,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Adds the products of one step's packed bytes (b0 .. b0 + BLOCK_B of each row) to acc."""
     if BITS == 4:
         low, high = _int4_run_starts(b0, K)
         acc = _accumulate_run(acc, packed & 15, low, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
                               offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
-                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, EVEN_B, DOT_PRECISION)
         acc = _accumulate_run(acc, packed >> 4, high, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
                               offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
-                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, EVEN_B, DOT_PRECISION)
     else:
         acc = _accumulate_run(acc, packed, b0, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
                               offs_m, m_mask, offs_n, n_mask, b_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
-                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+                              HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, EVEN_B, DOT_PRECISION)
     return acc
 
 
@@ -179,11 +214,12 @@ def quant_linear_small_m_kernel(
     M, N, K, row_bytes, num_groups, bytes_per_split, stride_xm, stride_qn,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Program (n, s): outputs n*BLOCK_N.. of all M rows over the packed bytes of split s, into out[s]
     ([splits, M, N]); each step takes BLOCK_B bytes of BLOCK_N rows (row_bytes = K * BITS / 8, passed in
-    so that Triton sees its divisibility and vectorizes the masked loads)."""
+    so that Triton sees its divisibility). EVEN_B: BLOCK_B divides row_bytes."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -196,25 +232,25 @@ def quant_linear_small_m_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for b0 in range(b_start, b_end, BLOCK_B):  # Triton pipelines these loads (num_stages): they feed tl.dot
             offs_b = b0 + tl.arange(0, BLOCK_B)
-            b_mask = offs_b < b_end
-            packed = _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn)
+            b_mask = _byte_mask(b0, b_end, BLOCK_B, EVEN_B)
+            packed = _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn, BLOCK_B)
             acc = _accumulate_step(acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
                                    offs_m, m_mask, offs_n, n_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
-                                   HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+                                   HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, EVEN_B, DOT_PRECISION)
     else:
         # Loads that feed no tl.dot are not pipelined: each step loads the next step's bytes before it
         # works on its own, so two steps are in flight per program (a few registers: the packed bytes).
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B), dtype=tl.float32)
         offs_b = b_start + tl.arange(0, BLOCK_B)
-        b_mask = offs_b < b_end
-        packed = _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn)
+        b_mask = _byte_mask(b_start, b_end, BLOCK_B, EVEN_B)
+        packed = _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn, BLOCK_B)
         for b0 in range(b_start, b_end, BLOCK_B):
             next_offs_b = offs_b + BLOCK_B
-            next_b_mask = next_offs_b < b_end
-            next_packed = _load_packed(qweight_ptr, offs_n, n_mask, next_offs_b, next_b_mask, stride_qn)
+            next_b_mask = _byte_mask(b0 + BLOCK_B, b_end, BLOCK_B, EVEN_B)
+            next_packed = _load_packed(qweight_ptr, offs_n, n_mask, next_offs_b, next_b_mask, stride_qn, BLOCK_B)
             acc = _accumulate_step(acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
                                    offs_m, m_mask, offs_n, n_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
-                                   HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, DOT_PRECISION)
+                                   HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, EVEN_B, DOT_PRECISION)
             offs_b, b_mask, packed = next_offs_b, next_b_mask, next_packed
         acc = tl.sum(acc, axis=2)
     out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
@@ -227,10 +263,10 @@ def quant_linear_small_m_kernel(
 @triton.jit
 def _store_run(out_ptr, q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups, K,
                BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
-               UNIFORM_GROUPS: tl.constexpr, BLOCK_B: tl.constexpr):
+               UNIFORM_GROUPS: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr):
     w, scale = _run_weights(q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
                             BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
-    columns = start + tl.arange(0, BLOCK_B)
+    columns = _run_columns(start, BLOCK_B, EVEN_B)
     out = out_ptr + offs_n[:, None] * K + columns[None, :]
     tl.store(out, (w * scale[:, None]).to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & b_mask[None, :])
 
@@ -239,46 +275,28 @@ def _store_run(out_ptr, q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask,
 def dequantize_kernel(
     qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, K, num_groups, stride_qn,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, UNIFORM_GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr,
 ):
-    """Program (n, b): writes W[n*BLOCK_N.., columns of packed bytes b*BLOCK_B..] into out [N, K]."""
+    """Program (n, b): writes W[n*BLOCK_N.., columns of packed bytes b*BLOCK_B..] into out [N, K].
+    EVEN_B: BLOCK_B divides the row's bytes."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     b0 = tl.program_id(1) * BLOCK_B
     offs_b = b0 + tl.arange(0, BLOCK_B)
-    b_mask = offs_b < K * BITS // 8
-    packed = _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn)
+    b_mask = _byte_mask(b0, K * BITS // 8, BLOCK_B, EVEN_B)
+    packed = _load_packed(qweight_ptr, offs_n, n_mask, offs_b, b_mask, stride_qn, BLOCK_B)
     if BITS == 4:
         low, high = _int4_run_starts(b0, K)
         _store_run(out_ptr, packed & 15, low, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups, K,
-                   BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
+                   BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B, EVEN_B)
         _store_run(out_ptr, packed >> 4, high, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups, K,
-                   BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
+                   BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B, EVEN_B)
     else:
         _store_run(out_ptr, packed, b0, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups, K,
-                   BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
+                   BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B, EVEN_B)
 
 
 # ------------------------------------------------------------------------------------------------ launching
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Tile sizes and launch shape of one small-M kernel call."""
-
-    use_dot: bool  # tl.dot on tensor cores, or the gemv kernel's multiply and sum
-    block_m: int
-    block_n: int
-    block_bytes: int  # packed bytes of each weight row per step (int4: divides the format's 128-byte block)
-    num_warps: int
-    num_stages: int
-    split_k: int = 1
-
-    @property
-    def name(self) -> str:
-        kind = "dot" if self.use_dot else "gemv"
-        return (f"{kind} m{self.block_m} n{self.block_n} b{self.block_bytes} w{self.num_warps} "
-                f"s{self.num_stages} k{self.split_k}")
 
 
 # Programs per SM the split aims for: a program keeps BLOCK_N x BLOCK_B bytes in flight per step, and the
@@ -294,11 +312,11 @@ DOT_TILES = (  # block_n, block_bytes, num_warps; the first is the default
 )
 
 
-def small_m_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> list[LaunchConfig]:
+def small_m_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> list[QuantLaunchConfig]:
     """The launch configs worth timing for M = num_rows <= SMALL_M_MAX; the first is the default.
 
-    scripts/device/quant_kernels.py --configs times every one of them on the GPU; reorder to change the
-    default.
+    A tuned export times every one of them per weight and width (export/linear_tuning.py), and so does
+    scripts/device/quant_kernels.py --configs; reorder to change the default of untuned exports.
     """
     tiles = []
     if num_rows <= GEMV_M_MAX:
@@ -308,19 +326,19 @@ def small_m_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -
                 for num_warps in (4, 8):
                     if block_m * block_n * block_bytes > GEMV_PRODUCTS_MAX * num_warps // 4:
                         continue
-                    tiles.append(LaunchConfig(False, block_m, block_n, block_bytes, num_warps, num_stages=1))
+                    tiles.append(QuantLaunchConfig(False, block_m, block_n, block_bytes, num_warps, num_stages=1))
     block_m = max(16, triton.next_power_of_2(num_rows))
     for block_n, block_bytes, num_warps in DOT_TILES:
         for num_stages in (4, 3):
-            tiles.append(LaunchConfig(True, block_m, block_n, block_bytes, num_warps, num_stages))
+            tiles.append(QuantLaunchConfig(True, block_m, block_n, block_bytes, num_warps, num_stages))
     return [with_split(tile, num_rows, n, k, bits, num_sms) for tile in tiles]
 
 
-def small_m_config(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> LaunchConfig:
+def small_m_config(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> QuantLaunchConfig:
     return small_m_candidates(num_rows, n, k, bits, num_sms)[0]
 
 
-def with_split(tile: LaunchConfig, num_rows: int, n: int, k: int, bits: int, num_sms: int) -> LaunchConfig:
+def with_split(tile: QuantLaunchConfig, num_rows: int, n: int, k: int, bits: int, num_sms: int) -> QuantLaunchConfig:
     """Split K until the GPU holds PROGRAMS_PER_SM programs per SM.
 
     A split's partial sums (M x N fp32, written and read once) must stay small next to the packed
@@ -339,7 +357,13 @@ def _bytes_per_split(row_bytes: int, split: int, block_bytes: int) -> int:
     return triton.cdiv(triton.cdiv(row_bytes, split), block_bytes) * block_bytes
 
 
-def _num_sms(device: torch.device) -> int:
+def _whole_steps(row_bytes: int, block_bytes: int) -> bool:
+    """Whether every step of every split holds block_bytes bytes of the row (EVEN_B): splits are whole
+    steps (_bytes_per_split), so only the row's end can cut one."""
+    return row_bytes % block_bytes == 0
+
+
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_NUM_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -361,7 +385,9 @@ def _format_args(qweight, scales, zeros, bits, group_size) -> tuple[list, dict]:
     return tensors, constants
 
 
-def launch_small_m(x, qweight, scales, zeros, perm, bits: int, group_size: int, config: LaunchConfig) -> torch.Tensor:
+def launch_small_m(
+    x, qweight, scales, zeros, perm, bits: int, group_size: int, config: QuantLaunchConfig
+) -> torch.Tensor:
     """The small-M kernel: x [M, K] @ W.T -> [M, N] in x's dtype."""
     num_rows, k = x.shape
     n = qweight.shape[0]
@@ -379,7 +405,7 @@ def launch_small_m(x, qweight, scales, zeros, perm, bits: int, group_size: int, 
         x, *tensors, perm if perm is not None else qweight, target,  # qweight stands in for an absent perm
         num_rows, n, k, row_bytes, scales.shape[1], bytes_per_split, x.stride(0), qweight.stride(0),
         HAS_PERM=perm is not None, UNIFORM_GROUPS=_uniform_groups(bits, k, group_size, config.block_bytes),
-        USE_DOT=config.use_dot,
+        USE_DOT=config.use_dot, EVEN_B=_whole_steps(row_bytes, config.block_bytes),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_B=config.block_bytes,
         # fp32 activations (fp32 exports) stay fp32 in tl.dot instead of rounding through tf32.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -403,7 +429,8 @@ def dequantize_weight(qweight, scales, zeros, bits: int, group_size: int, k: int
     wrap_triton(dequantize_kernel)[grid](
         *tensors, out, n, k, scales.shape[1], qweight.stride(0),
         UNIFORM_GROUPS=_uniform_groups(bits, k, group_size, DEQUANTIZE_BLOCK_BYTES),
-        BLOCK_N=DEQUANTIZE_BLOCK_N, BLOCK_B=DEQUANTIZE_BLOCK_BYTES, num_warps=4, **constants,
+        BLOCK_N=DEQUANTIZE_BLOCK_N, BLOCK_B=DEQUANTIZE_BLOCK_BYTES,
+        EVEN_B=_whole_steps(qweight.shape[1], DEQUANTIZE_BLOCK_BYTES), num_warps=4, **constants,
     )
     return out
 
@@ -416,6 +443,18 @@ def dequantize_and_multiply(x, qweight, scales, zeros, perm, bits: int, group_si
     return torch.mm(x, weight.t())
 
 
+@triton_op("pt2serve::quant_linear_small_m", mutates_args=())
+def quant_linear_small_m_op(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+    perm: torch.Tensor | None, bits: int, group_size: int,
+    use_dot: bool, block_m: int, block_n: int, block_bytes: int, num_warps: int, num_stages: int, split_k: int,
+) -> torch.Tensor:
+    """The small-M kernel with the launch config the export chose (kernels/linear_choice.py), as arguments:
+    part of the traced call, so compiling the method reads no tuning state."""
+    config = QuantLaunchConfig(use_dot, block_m, block_n, block_bytes, num_warps, num_stages, split_k)
+    return launch_small_m(x.contiguous(), qweight, scales, zeros, perm, bits, group_size, config)
+
+
 @triton_op("pt2serve::quant_linear", mutates_args=())
 def quant_linear_op(
     x: torch.Tensor,
@@ -426,10 +465,10 @@ def quant_linear_op(
     bits: int,
     group_size: int,
 ) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, N] in x's dtype."""
+    """x [M, K] @ W.T -> [M, N] in x's dtype; at static widths <= SMALL_M_MAX, the default small-M config."""
     x = x.contiguous()
     num_rows, k = x.shape
     if is_concrete_int(num_rows) and num_rows <= SMALL_M_MAX:
-        config = small_m_config(num_rows, qweight.shape[0], k, bits, _num_sms(x.device))
+        config = small_m_config(num_rows, qweight.shape[0], k, bits, sm_count(x.device))
         return launch_small_m(x, qweight, scales, zeros, perm, bits, group_size, config)
     return dequantize_and_multiply(x, qweight, scales, zeros, perm, bits, group_size)

@@ -101,7 +101,7 @@ def measure(shapes: dict, widths: list[int], with_configs: bool, device: str) ->
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     bandwidth = read_bandwidth(device)
     print(f"read bandwidth {bandwidth / 1e9:.0f} GB/s (torch.sum over a large buffer)")
-    num_sms = kernels._num_sms(torch.device(device))
+    num_sms = kernels.sm_count(torch.device(device))
     rows, config_rows = [], []
     for name, (n, k) in shapes.items():
         for bits, group_size in ((8, k), (4, 128)):
