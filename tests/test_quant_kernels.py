@@ -253,6 +253,15 @@ def test_choices_keep_the_config_class_of_their_kind():
     assert choices.lookup_quant(fmt, torch.randn(3, 64, dtype=torch.bfloat16), 24) is None  # another width
 
 
+@pytest.mark.parametrize("num_rows", [1, 4, 16, 64])
+def test_export_tunes_a_few_varied_configs_the_default_first(kernels, num_rows):
+    every = kernels.small_m_candidates(num_rows, 4096, 14336, 4, kernels.DEFAULT_NUM_SMS)
+    tuned = kernels.tuning_candidates(num_rows, 4096, 14336, 4, kernels.DEFAULT_NUM_SMS)
+    assert tuned[0] == kernels.small_m_config(num_rows, 4096, 14336, 4, kernels.DEFAULT_NUM_SMS)
+    assert len(tuned) == kernels.TUNED_CONFIGS and set(tuned) <= set(every)
+    assert {c.use_dot for c in tuned} == ({False, True} if num_rows <= kernels.GEMV_M_MAX else {True})
+
+
 def test_tuning_times_every_quantized_config_and_keeps_the_fastest(kernels, monkeypatch):
     """The tuning loop on the CPU with made-up times: every candidate runs (in the interpreter) on random packed
     weights of each quantized shape, and each key takes its fastest config, the default included."""
@@ -261,9 +270,9 @@ def test_tuning_times_every_quantized_config_and_keeps_the_fastest(kernels, monk
 
     model = quantized_tiny_model("int4", 32)
     shapes, widths = list(model_matmuls(model)), (1, 16)
-    candidates = kernels.small_m_candidates
+    candidates = kernels.tuning_candidates
     # Three configs per key keep the interpreter's time down; every config runs in the tests above.
-    monkeypatch.setattr(kernels, "small_m_candidates", lambda *args: candidates(*args)[:3])
+    monkeypatch.setattr(kernels, "tuning_candidates", lambda *args: candidates(*args)[:3])
     times = []  # in the order tune() times them: per shape, per width, each candidate (the default first)
     for _ in shapes:
         times += [1.0, 0.9, 0.5]  # width 1: the last candidate is the fastest

@@ -3,8 +3,8 @@
 For every weight shape of the model and every static width up to SMALL_M_MAX, each launch config of the
 small-M kernels (kernels/linear_choice.py) is timed against cuBLAS; a config is chosen only where it beats
 cuBLAS by more than the timing noise. A quantized weight always runs its own small-M kernel at these widths
-(kernels/quant_linear_triton.py): every launch config of it is timed on random packed weights of the
-weight's shape and format, and the fastest is chosen (the default config, which an untuned export runs, is
+(kernels/quant_linear_triton.py): a few launch configs of it (tuning_candidates) are timed on random packed
+weights of the weight's shape and format, and the fastest is chosen (the default config, which an untuned export runs, is
 one of them). The choices are traced into the methods and recorded in the metadata with the times that
 chose them (nothing is tuned at load).
 
@@ -199,7 +199,7 @@ def _time_quantized_shape(shape: MatmulShape, width: int, weights: list[tuple], 
 
     fmt = shape.quant
     x = torch.randn(width, shape.cols, device=device, dtype=dtype)
-    configs = kernels.small_m_candidates(width, shape.rows, shape.cols, fmt.bits, kernels.sm_count(x.device))
+    configs = kernels.tuning_candidates(width, shape.rows, shape.cols, fmt.bits, kernels.sm_count(x.device))
     times = _time_configs(configs, weights, lambda config, w: kernels.launch_small_m(
         x, *w, fmt.bits, fmt.group_size, config))
     best = min(times, key=times.get, default=None)

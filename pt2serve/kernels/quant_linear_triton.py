@@ -315,8 +315,8 @@ DOT_TILES = (  # block_n, block_bytes, num_warps; the first is the default
 def small_m_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> list[QuantLaunchConfig]:
     """The launch configs worth timing for M = num_rows <= SMALL_M_MAX; the first is the default.
 
-    A tuned export times every one of them per weight and width (export/linear_tuning.py), and so does
-    scripts/device/quant_kernels.py --configs; reorder to change the default of untuned exports.
+    scripts/device/quant_kernels.py --configs times every one of them; a tuned export times tuning_candidates,
+    a few of them (export/linear_tuning.py). Reorder to change the default of untuned exports.
     """
     tiles = []
     if num_rows <= GEMV_M_MAX:
@@ -332,6 +332,21 @@ def small_m_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -
         for num_stages in (4, 3):
             tiles.append(QuantLaunchConfig(True, block_m, block_n, block_bytes, num_warps, num_stages))
     return [with_split(tile, num_rows, n, k, bits, num_sms) for tile in tiles]
+
+
+# Configs an export times per quantized weight and width. Each is a Triton compile of its own (about a second),
+# and an export times every weight at every static width: with all of small_m_candidates (20-26 each) a toy
+# model's tuning took over 10 minutes on a loaded H200 machine.
+TUNED_CONFIGS = 4
+
+
+def tuning_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> list[QuantLaunchConfig]:
+    """A short, varied subset of small_m_candidates for export-time tuning, the default first: two gemv tiles
+    (where M allows) and tl.dot tiles at four pipeline stages."""
+    configs = small_m_candidates(num_rows, n, k, bits, num_sms)
+    gemv = [c for c in configs if not c.use_dot and c.num_warps == 4]
+    dot = [c for c in configs if c.use_dot and c.num_stages == 4]
+    return (gemv[:2] + dot)[:TUNED_CONFIGS]
 
 
 def small_m_config(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> QuantLaunchConfig:
