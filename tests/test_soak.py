@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from pt2serve.soak.calls import Target, via_openai
+from pt2serve.soak.calls import Target, post, via_openai
 from pt2serve.soak.oracle import Ask, Oracle
 from servers import ServeProcess
 
@@ -63,3 +63,23 @@ def test_a_stream_that_goes_silent_is_a_problem_in_the_report_not_a_crash():
     target = Target("http://soak.test", "m", None, client, Oracle(toy_greedy=False))
     outcome = asyncio.run(via_openai(target, "long", Ask([1, 2, 3], 8), stream=True))
     assert outcome.status == 200 and outcome.problem.startswith("ReadTimeout"), outcome
+
+
+def test_a_request_without_an_answer_in_time_is_a_problem_in_the_report_not_a_crash():
+    """A non-streamed request still unanswered at the client's read timeout (seen in a soak on the GPU machine,
+    which ended the soak) records the timeout as its problem; one the traffic meant to abandon early left early."""
+
+    def never_answers(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("", request=request)
+
+    async def ask(read_timeout_s):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(never_answers)) as http:
+            target = Target("http://soak.test", "m", http, None, Oracle(toy_greedy=False))
+            outcome, ids = await post(target, "burst", Ask([1, 2, 3], 8), read_timeout_s=read_timeout_s)
+        assert ids is None
+        return outcome
+
+    waited = asyncio.run(ask(None))
+    assert waited.status is None and waited.problem == "ReadTimeout: no answer in time", waited
+    left = asyncio.run(ask(0.1))
+    assert left.left_early and left.problem is None, left
