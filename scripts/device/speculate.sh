@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculative decoding: the cost of verifying steps (1 + k tokens per sequence, k = 3, 7, 15, at batch 1 and 32)
-# as a ratio to a plain decode step, and n-gram drafts on repetitive token-id prompts (tokens/s against no
+# as a ratio to a plain decode step, and n-gram drafts on the model's own greedy text (tokens/s against no
 # speculation at batch 1 and 32, with the tokens each verifying step emitted). One markdown table last.
 # GPU (default): reuses /tmp/model.pt2 if it has the acceptance methods, else exports the llama-3.1-8b preset
 # there (bf16, --max-context 4096, as export_8b.sh). After the export it keeps to RUN_LIMIT_S (170 s).
