@@ -216,7 +216,8 @@ def test_tuning_times_every_quantized_shape_and_takes_a_config_for_each():
 
 def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkeypatch):
     """The tuning loop on the CPU with made-up times: every candidate config it has runs (in the interpreter), a key
-    takes the fastest config where it beats cuBLAS past the margin, and stays cuBLAS where it does not."""
+    takes the fastest config where it beats cuBLAS past the margin, and stays cuBLAS where it does not (but for
+    the fused SwiGLU kernel, which takes a tie)."""
     from pt2serve.export import linear_tuning
 
     model = build_preset_model("tiny", torch.float32, DEVICE).eval()
@@ -241,11 +242,12 @@ def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkey
     assert next(fake, None) is None  # every candidate was timed
     assert [(t.shape, t.width) for t in timings] == [(s, w) for s in shapes for w in widths]
     for t in timings:
+        swiglu = t.shape.kind == "swiglu"
         if t.width == 1:
-            assert t.chosen == candidates(1, t.shape.kind == "swiglu")[-1] and t.best_ms == 0.5
-        else:
-            assert t.chosen is None and t.best_ms == 0.99
-    assert set(choices.configs) == {t.key for t in timings if t.width == 1}
+            assert t.chosen == candidates(1, swiglu)[-1] and t.best_ms == 0.5
+        else:  # within the margin: cuBLAS keeps a plain matmul, the fused SwiGLU kernel takes the tie
+            assert t.best_ms == 0.99 and (t.chosen is not None) == swiglu
+    assert set(choices.configs) == {t.key for t in timings if t.width == 1 or t.shape.kind == "swiglu"}
 
 
 def test_inspect_sums_up_dense_and_quantized_choices():
@@ -261,3 +263,15 @@ def test_inspect_sums_up_dense_and_quantized_choices():
                "step_matmuls_ms": {"4": {"cublas": 2.0, "chosen": 1.5}}}
     assert describe_linear_kernels(earlier) == (
         "Triton kernel for 1 of 1 shape x width; untuned -> tuned: M=4: 2.00 -> 1.50 ms")
+
+
+def test_a_fused_swiglu_kernel_takes_a_tie_and_a_plain_matmul_does_not():
+    from pt2serve.export.linear_tuning import MARGIN, MatmulShape, Timing
+
+    config = candidates(1, True)[0]
+
+    def chosen(kind: str, ms: float):
+        return Timing(MatmulShape(kind, 64, 32), 1, torch.bfloat16, 1.0, config, ms).chosen
+
+    assert chosen("swiglu", 1 + MARGIN / 2) == config and chosen("swiglu", 1 + 2 * MARGIN) is None
+    assert chosen("linear", 1 - MARGIN / 2) is None and chosen("linear", 1 - 2 * MARGIN) == config

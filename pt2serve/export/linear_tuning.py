@@ -2,7 +2,7 @@
 
 For every weight shape of the model and every static width up to SMALL_M_MAX, each launch config of the
 small-M kernels (kernels/linear_choice.py) is timed against cuBLAS; a config is chosen only where it beats
-cuBLAS by more than the timing noise. A quantized weight always runs its own small-M kernel at these widths
+cuBLAS by more than the timing noise (the fused SwiGLU kernel: where it is not slower past the noise). A quantized weight always runs its own small-M kernel at these widths
 (kernels/quant_linear_triton.py): a few launch configs of it (tuning_candidates) are timed on random packed
 weights of the weight's shape and format, and the fastest is chosen (the default config, which an untuned export runs, is
 one of them). The choices are traced into the methods and recorded in the metadata with the times that
@@ -67,11 +67,16 @@ class Timing:
     def chosen(self) -> LaunchConfig | QuantLaunchConfig | None:
         if self.best is None:
             return None
-        # A dense config must beat cuBLAS past the noise; a quantized weight's default is a config like the
-        # others, so its fastest config is taken as it is.
-        if self.shape.quant is None and self.best_ms > self.baseline_ms * (1 - MARGIN):
-            return None
-        return self.best
+        # A quantized weight's default is a config like the others: its fastest config is taken as it is.
+        if self.shape.quant is not None:
+            return self.best
+        # A plain matmul's config must beat cuBLAS past the noise. The fused SwiGLU kernel takes a tie within
+        # the noise: in the step it also saves the activation's kernel and the round trip of the [M, 2I]
+        # projection, which timing the weight alone does not see in full (8B gate/up at M=1 on the H200: fused
+        # 1.83 ms a step against 1.88 for cuBLAS and the activation, while alone the two came out within 2%
+        # of each other, one way in one run and the other way in the next).
+        limit = 1 + MARGIN if self.shape.kind == "swiglu" else 1 - MARGIN
+        return self.best if self.best_ms <= self.baseline_ms * limit else None
 
     @property
     def chosen_ms(self) -> float:
