@@ -65,9 +65,9 @@ DEFAULT_NUM_SMS = 132
 INT4_HALF_BLOCK_BYTES = INT4_BLOCK_COLUMNS // 2
 # Globals a kernel reads must be constexpr.
 HALF_BLOCK_BYTES = tl.constexpr(INT4_HALF_BLOCK_BYTES)
-# Bytes of a row per thread in the one-row gemv: x's 8 bf16 of a lane fill one 16-byte load in the same
-# layout as the lane's packed bytes, so neither changes layout on its way to the products.
-GEMV_LANE = tl.constexpr(8)
+# Bytes of a row per thread in the one-row gemv: one 16-byte load, whose 16 products (per nibble run) one
+# thread sums before scaling them. 8 measured more instructions per weight (scripts/quant_kernel_ptx.py).
+GEMV_LANE = tl.constexpr(16)
 MAGIC = tl.constexpr(8388608.0)  # 2**23: a float32 whose mantissa holds any integer below 2**23 exactly
 
 
