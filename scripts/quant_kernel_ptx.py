@@ -7,9 +7,10 @@ Triton's own ptxas, finds the steady-state K loop in the SASS (the longest backw
 per config, the loop's instructions per thread, the weights a thread handles per iteration and their
 ratio. It needs no GPU; run it without TRITON_INTERPRET:
 
-    python scripts/quant_kernel_ptx.py [--ptx] [--breakdown]
+    python scripts/quant_kernel_ptx.py [--ptx] [--breakdown] [--candidates M]
 
---ptx also counts the PTX loop (before ptxas); --breakdown lists the SASS loop's opcodes.
+--ptx also counts the PTX loop (before ptxas); --breakdown lists the SASS loop's opcodes; --candidates M
+compiles every launch config of a width of M rows instead. A config whose registers spill says so.
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def representative_cases() -> list[Case]:
         default_case("int4 g128 dot", 4, False, 16, use_dot=True),
         default_case("int8 g128 dot", 8, False, 16, use_dot=True),
     ]
+
+
+def candidate_cases(num_rows: int) -> list[Case]:
+    """Every launch config small_m_candidates offers at this width, int4 and int8 without zeros."""
+    return [Case(f"int{bits} g128", bits, False, num_rows, config)
+            for bits in (4, 8)
+            for config in qlt.small_m_candidates(num_rows, 28672, 4096, bits, qlt.DEFAULT_NUM_SMS)]
 
 
 def compile_case(case: Case):
@@ -162,22 +170,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ptx", action="store_true", help="also count the PTX loop")
     parser.add_argument("--breakdown", action="store_true", help="list the SASS loop's opcodes per config")
+    parser.add_argument("--candidates", type=int, metavar="M",
+                        help="every launch config a width of M rows may take, instead of the representative ones")
     args = parser.parse_args()
+    cases = representative_cases() if args.candidates is None else candidate_cases(args.candidates)
     header = f"{'config':<18} {'launch config':<34} {'loop SASS':>9} {'weights/thr':>11} {'SASS/weight':>11}"
     if args.ptx:
         header += f" {'loop PTX':>8} {'PTX/weight':>10}"
     print(header)
-    for case in representative_cases():
+    for case in cases:
         compiled = compile_case(case)
-        loop = sass_loop(sass_lines(compiled.asm["cubin"]))
+        lines = sass_lines(compiled.asm["cubin"])
+        loop = sass_loop(lines)
         weights = weights_per_thread(case)
         row = f"{case.label:<18} {case.config.name:<34} {len(loop):>9} {weights:>11g} {len(loop) / weights:>11.2f}"
         if args.ptx:
             ptx = ptx_loop(compiled.asm["ptx"])
             row += f" {len(ptx):>8} {len(ptx) / weights:>10.2f}"
-        spills = compiled.metadata.n_spills if hasattr(compiled.metadata, "n_spills") else None
-        if spills:
-            row += f"  ({spills} spills)"
+        local = sum(1 for _, ins in lines if re.match(r"(@!?P\w+\s+)?(STL|LDL)\b", ins))
+        if local:
+            row += f"  ({local} local loads/stores: registers spilled)"
         print(row, flush=True)
         if args.breakdown:
             counts = collections.Counter(opcode(ins) for ins in loop)
