@@ -515,6 +515,8 @@ def launch_small_m(
     n = qweight.shape[0]
     if bits == 4 and INT4_HALF_BLOCK_BYTES % config.block_bytes:
         raise ValueError(f"int4 steps must divide the format's {INT4_HALF_BLOCK_BYTES}-byte block: {config.name}")
+    if not config.use_dot and config.block_m == 1 and config.block_bytes % GEMV_LANE.value:
+        raise ValueError(f"one-row gemv steps must be whole lanes of {GEMV_LANE.value} bytes: {config.name}")
     row_bytes = k * bits // 8
     bytes_per_split = _bytes_per_split(row_bytes, config.split_k, config.block_bytes)
     num_splits = triton.cdiv(row_bytes, bytes_per_split)
