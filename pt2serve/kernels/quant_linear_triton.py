@@ -275,7 +275,9 @@ def _one_row_run(
         columns = tl.max_contiguous(tl.multiple_of(columns, [1, GEMV_LANE]), [1, GEMV_LANE])
     if HAS_PERM:
         columns = tl.load(perm_ptr + columns, mask=b_mask, other=0)
-    x = tl.load(x_ptr + columns, mask=b_mask, other=0).to(tl.float32)  # one copy per thread, whatever its rows
+    # x's run as [lanes, GEMV_LANE], broadcast over the rows: Triton loads it once per program and hands
+    # it to the threads through shared memory, a few instructions per step.
+    x = tl.load(x_ptr + columns, mask=b_mask, other=0).to(tl.float32)
     lane_sums = tl.sum(w * x[None, :, :], axis=2)
     if UNIFORM_GROUPS:
         lane_sums = lane_sums * scale[:, None]
