@@ -142,6 +142,14 @@ def test_whole_and_partial_steps_match_reference(kernels, case):
         check(out, reference_quant_linear(x, qweight, scales, zeros, perm, bits, group_size))
 
 
+def test_one_row_gemv_steps_are_whole_lanes(kernels):
+    """At M = 1 each thread of the gemv kernel loads GEMV_LANE bytes of a row: a step must hold whole lanes."""
+    qweight, scales, zeros, perm = random_format(8, 16, 64, 64, False, False, seed=3)
+    config = kernels.QuantLaunchConfig(False, 1, 16, kernels.GEMV_LANE.value // 2, 4, 1, 1)
+    with pytest.raises(ValueError, match="whole lanes"):
+        kernels.launch_small_m(torch.randn(1, 64, device=DEVICE), qweight, scales, zeros, perm, 8, 64, config)
+
+
 @pytest.mark.parametrize("fmt", [FORMATS[i] for i in (1, 2, 4, 7)], ids=format_id)
 def test_dequantize_kernel_matches_the_format(kernels, fmt):
     bits, n, k, group_size, has_zeros, has_perm = fmt

@@ -14,7 +14,9 @@ Which path serves a call is fixed when the method is traced:
   (torch.ops.pt2serve.quant_linear). Two kernels, picked by the launch config:
   - gemv: no tensor cores; each weight is multiplied into per-column partial products of each row of x,
     summed across the tile once after the loop (the fewest instructions per weight byte, and no
-    cross-thread reduction inside the loop; for M up to GEMV_M_MAX);
+    cross-thread reduction inside the loop; for M up to GEMV_M_MAX). At M = 1 the tiles keep the packed
+    load's lanes of GEMV_LANE bytes per thread instead: the weights never move between threads, and a
+    run's scale multiplies each lane's sum instead of each weight (_one_row_run);
   - dot: every row of x rides along in one tl.dot (BLOCK_M padded to 16).
 - Wide M (a static width > SMALL_M_MAX, and the dynamic method forward_others, whose width is data):
   one kernel dequantizes the whole weight into x's dtype (reading each packed byte once, writing the bf16
@@ -35,8 +37,9 @@ with a compare each, and the kernel is bound by instructions instead of memory. 
 constant along the byte axis and do not stop whole-vector loads.
 
 Integers become floats by the exponent trick (OR into the mantissa of 2**23, then subtract 2**23, folded
-with the zero): two full-rate instructions instead of an int-to-float conversion, which runs at a
-fraction of the rate and would cap int4 below the bandwidth.
+with the zero, which becomes zero + 2**23 by the same OR): two full-rate instructions instead of an
+int-to-float conversion, which runs at a fraction of the rate and would cap int4 below the bandwidth.
+scripts/quant_kernel_ptx.py counts the small-M loop's instructions per weight, compiled for sm_90.
 
 Kernels take sizes as plain ints (constexpr sizes would be specialized silently); the format's constants
 (bits, group size, whether zeros and perm exist) are constexpr: they never change for a weight.
@@ -62,6 +65,9 @@ DEFAULT_NUM_SMS = 132
 INT4_HALF_BLOCK_BYTES = INT4_BLOCK_COLUMNS // 2
 # Globals a kernel reads must be constexpr.
 HALF_BLOCK_BYTES = tl.constexpr(INT4_HALF_BLOCK_BYTES)
+# Bytes of a row per thread in the one-row gemv: one 16-byte load, whose 16 products (per nibble run) one
+# thread sums before scaling them. 8 measured more instructions per weight (scripts/quant_kernel_ptx.py).
+GEMV_LANE = tl.constexpr(16)
 MAGIC = tl.constexpr(8388608.0)  # 2**23: a float32 whose mantissa holds any integer below 2**23 exactly
 
 
@@ -102,33 +108,48 @@ def _run_columns(start, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr):
 
 
 @triton.jit
+def _plus_magic(q):
+    """MAGIC + q exactly, as float32, for int32 q in [0, 2**23): the exponent trick (see above)."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _run_weights(
     q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, UNIFORM_GROUPS: tl.constexpr,
-    BLOCK_B: tl.constexpr,
+    BLOCK_B: tl.constexpr, LANES: tl.constexpr,
 ):
     """q [BLOCK_N, BLOCK_B] int32 values of columns start.. -> (w fp32, scale [BLOCK_N]): W = w * scale[:, None].
+    LANES: q and b_mask are lane-shaped instead ([BLOCK_N, BLOCK_B // GEMV_LANE, GEMV_LANE], see _lane_offsets).
 
     With UNIFORM_GROUPS the run lies in one group: w = q - zero exactly, the scale is the run's. Otherwise
     w is already scaled per column and the returned scale is 1.
     """
     MIDPOINT: tl.constexpr = 1 << (BITS - 1)  # the zero of a symmetric format
-    as_float = (q | 0x4B000000).to(tl.float32, bitcast=True)  # MAGIC + q, exactly
+    as_float = _plus_magic(q)
     if UNIFORM_GROUPS:
         group = offs_n * num_groups + start // GROUP_SIZE
         scale = tl.load(scales_ptr + group, mask=n_mask, other=0).to(tl.float32)
         if HAS_ZEROS:
-            zero = tl.load(zeros_ptr + group, mask=n_mask, other=0).to(tl.float32)
+            zero_plus_magic = _plus_magic(tl.load(zeros_ptr + group, mask=n_mask, other=0).to(tl.int32))
         else:
-            zero = tl.zeros_like(scale) + MIDPOINT
-        w = as_float - (zero + MAGIC)[:, None]
+            zero_plus_magic = tl.zeros_like(scale) + (MAGIC + MIDPOINT)
+        if LANES:
+            w = as_float - zero_plus_magic[:, None, None]
+        else:
+            w = as_float - zero_plus_magic[:, None]
     else:
-        columns = start + tl.arange(0, BLOCK_B)
-        group = offs_n[:, None] * num_groups + columns[None, :] // GROUP_SIZE
-        mask = n_mask[:, None] & b_mask[None, :]
+        if LANES:
+            column_groups = (start + _lane_offsets(BLOCK_B)) // GROUP_SIZE
+            group = offs_n[:, None, None] * num_groups + column_groups[None, :, :]
+            mask = n_mask[:, None, None] & b_mask[None, :, :]
+        else:
+            columns = start + tl.arange(0, BLOCK_B)
+            group = offs_n[:, None] * num_groups + columns[None, :] // GROUP_SIZE
+            mask = n_mask[:, None] & b_mask[None, :]
         column_scale = tl.load(scales_ptr + group, mask=mask, other=0).to(tl.float32)
         if HAS_ZEROS:
-            w = as_float - (tl.load(zeros_ptr + group, mask=mask, other=0).to(tl.float32) + MAGIC)
+            w = as_float - _plus_magic(tl.load(zeros_ptr + group, mask=mask, other=0).to(tl.int32))
         else:
             w = as_float - (MAGIC + MIDPOINT)
         w = w * column_scale
@@ -173,7 +194,7 @@ def _accumulate_run(
     once after the loop, so the loop has no cross-thread reduction: one multiply-add per weight and row.
     """
     w, scale = _run_weights(q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
-                            BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
+                            BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B, LANES=False)
     x = _load_x_run(x_ptr, perm_ptr, start, offs_m, m_mask, b_mask, stride_xm, HAS_PERM, BLOCK_B, EVEN_B)
     if USE_DOT:
         acc = acc + tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION) * scale[None, :]
@@ -209,6 +230,80 @@ def _accumulate_step(
 
 
 @triton.jit
+def _lane_offsets(BLOCK_B: tl.constexpr):
+    """Offsets 0 .. BLOCK_B of a step's bytes as [BLOCK_B // GEMV_LANE, GEMV_LANE] (lanes of consecutive bytes)."""
+    return tl.arange(0, BLOCK_B // GEMV_LANE)[:, None] * GEMV_LANE + tl.arange(0, GEMV_LANE)[None, :]
+
+
+@triton.jit
+def _lane_mask(b0, b_end, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr):
+    """_byte_mask in the lane shape: [1, 1] with EVEN_B, else [BLOCK_B // GEMV_LANE, GEMV_LANE]."""
+    if EVEN_B:
+        offs = b0 + tl.zeros((1, 1), dtype=tl.int32)
+    else:
+        offs = b0 + _lane_offsets(BLOCK_B)
+    return offs < b_end
+
+
+@triton.jit
+def _load_packed_lanes(qweight_ptr, offs_n, n_mask, b0, b_mask, stride_qn, BLOCK_B: tl.constexpr):
+    """Bytes b0 .. b0 + BLOCK_B of each row as int32 [BLOCK_N, BLOCK_B // GEMV_LANE, GEMV_LANE]: a thread
+    loads whole lanes (b0 is a multiple of BLOCK_B)."""
+    offs_b = tl.max_contiguous(tl.multiple_of(b0 + _lane_offsets(BLOCK_B), [1, GEMV_LANE]), [1, GEMV_LANE])
+    packed = tl.load(qweight_ptr + offs_n[:, None, None] * stride_qn + offs_b[None, :, :],
+                     mask=n_mask[:, None, None] & b_mask[None, :, :], other=0)
+    return packed.to(tl.int32)
+
+
+@triton.jit
+def _one_row_run(
+    acc, q, start, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    UNIFORM_GROUPS: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr,
+):
+    """Adds x[0, run] * W[offs_n, run], summed per lane, for one run of BLOCK_B columns (q: [BLOCK_N, lanes,
+    GEMV_LANE]) to acc [BLOCK_N, lanes].
+
+    The products keep the packed load's layout (no exchange of weights between threads), and each lane's
+    products are summed in the thread that loaded them: with UNIFORM_GROUPS the exact q - zero is summed
+    and the run's scale multiplies the lane's sum, once per GEMV_LANE weights instead of once per weight.
+    """
+    w, scale = _run_weights(q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
+                            BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B, LANES=True)
+    columns = start + _lane_offsets(BLOCK_B)
+    if EVEN_B:
+        columns = tl.max_contiguous(tl.multiple_of(columns, [1, GEMV_LANE]), [1, GEMV_LANE])
+    if HAS_PERM:
+        columns = tl.load(perm_ptr + columns, mask=b_mask, other=0)
+    # x's run as [lanes, GEMV_LANE], broadcast over the rows: Triton loads it once per program and hands
+    # it to the threads through shared memory, a few instructions per step.
+    x = tl.load(x_ptr + columns, mask=b_mask, other=0).to(tl.float32)
+    lane_sums = tl.sum(w * x[None, :, :], axis=2)
+    if UNIFORM_GROUPS:
+        lane_sums = lane_sums * scale[:, None]
+    return acc + lane_sums
+
+
+@triton.jit
+def _one_row_step(
+    acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, num_groups,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    UNIFORM_GROUPS: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr,
+):
+    """_accumulate_step of the gemv kernel at M = 1, on lane-shaped tiles (packed: [BLOCK_N, lanes, GEMV_LANE])."""
+    if BITS == 4:
+        low, high = _int4_run_starts(b0, K)
+        acc = _one_row_run(acc, packed & 15, low, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask,
+                           num_groups, BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, BLOCK_B, EVEN_B)
+        acc = _one_row_run(acc, packed >> 4, high, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask,
+                           num_groups, BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, BLOCK_B, EVEN_B)
+    else:
+        acc = _one_row_run(acc, packed, b0, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask,
+                           num_groups, BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, BLOCK_B, EVEN_B)
+    return acc
+
+
+@triton.jit
 def quant_linear_small_m_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr,
     M, N, K, row_bytes, num_groups, bytes_per_split, stride_xm, stride_qn,
@@ -237,6 +332,20 @@ def quant_linear_small_m_kernel(
             acc = _accumulate_step(acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
                                    offs_m, m_mask, offs_n, n_mask, num_groups, stride_xm, BITS, GROUP_SIZE,
                                    HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, USE_DOT, BLOCK_B, EVEN_B, DOT_PRECISION)
+    elif BLOCK_M == 1:
+        # As below, but on lane-shaped tiles: see _one_row_run.
+        lane_acc = tl.zeros((BLOCK_N, BLOCK_B // GEMV_LANE), dtype=tl.float32)
+        b_mask = _lane_mask(b_start, b_end, BLOCK_B, EVEN_B)
+        packed = _load_packed_lanes(qweight_ptr, offs_n, n_mask, b_start, b_mask, stride_qn, BLOCK_B)
+        for b0 in range(b_start, b_end, BLOCK_B):
+            next_b_mask = _lane_mask(b0 + BLOCK_B, b_end, BLOCK_B, EVEN_B)
+            next_packed = _load_packed_lanes(qweight_ptr, offs_n, n_mask, b0 + BLOCK_B, next_b_mask, stride_qn,
+                                             BLOCK_B)
+            lane_acc = _one_row_step(lane_acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
+                                     offs_n, n_mask, num_groups, BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM,
+                                     UNIFORM_GROUPS, BLOCK_B, EVEN_B)
+            b_mask, packed = next_b_mask, next_packed
+        acc = tl.sum(lane_acc, axis=1)[None, :]
     else:
         # Loads that feed no tl.dot are not pipelined: each step loads the next step's bytes before it
         # works on its own, so two steps are in flight per program (a few registers: the packed bytes).
@@ -265,7 +374,7 @@ def _store_run(out_ptr, q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask,
                BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
                UNIFORM_GROUPS: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr):
     w, scale = _run_weights(q, start, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
-                            BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B)
+                            BITS, GROUP_SIZE, HAS_ZEROS, UNIFORM_GROUPS, BLOCK_B, LANES=False)
     columns = _run_columns(start, BLOCK_B, EVEN_B)
     out = out_ptr + offs_n[:, None] * K + columns[None, :]
     tl.store(out, (w * scale[:, None]).to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & b_mask[None, :])
@@ -408,6 +517,8 @@ def launch_small_m(
     n = qweight.shape[0]
     if bits == 4 and INT4_HALF_BLOCK_BYTES % config.block_bytes:
         raise ValueError(f"int4 steps must divide the format's {INT4_HALF_BLOCK_BYTES}-byte block: {config.name}")
+    if not config.use_dot and config.block_m == 1 and config.block_bytes % GEMV_LANE.value:
+        raise ValueError(f"one-row gemv steps must be whole lanes of {GEMV_LANE.value} bytes: {config.name}")
     row_bytes = k * bits // 8
     bytes_per_split = _bytes_per_split(row_bytes, config.split_k, config.block_bytes)
     num_splits = triton.cdiv(row_bytes, bytes_per_split)
