@@ -268,6 +268,8 @@ def test_export_tunes_a_few_varied_configs_the_default_first(kernels, num_rows):
     assert tuned[0] == kernels.small_m_config(num_rows, 4096, 14336, 4, kernels.DEFAULT_NUM_SMS)
     assert len(tuned) == kernels.TUNED_CONFIGS and set(tuned) <= set(every)
     assert {c.use_dot for c in tuned} == ({False, True} if num_rows <= kernels.GEMV_M_MAX else {True})
+    gemv = [c.block_n for c in every if not c.use_dot and c.num_warps == 4]
+    assert not gemv or max(gemv) in {c.block_n for c in tuned if not c.use_dot}  # the widest gemv tile
 
 
 def test_tuning_times_every_quantized_config_and_keeps_the_fastest(kernels, monkeypatch):

@@ -450,12 +450,16 @@ TUNED_CONFIGS = 4
 
 
 def tuning_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> list[QuantLaunchConfig]:
-    """A short, varied subset of small_m_candidates for export-time tuning, the default first: two gemv tiles
-    (where M allows) and tl.dot tiles at four pipeline stages."""
+    """A short, varied subset of small_m_candidates for export-time tuning, the default first: the default
+    and the widest gemv tile (where M allows: wider tiles take fewer instructions per weight,
+    scripts/quant_kernel_ptx.py --candidates 1), then tl.dot tiles at four pipeline stages."""
     configs = small_m_candidates(num_rows, n, k, bits, num_sms)
     gemv = [c for c in configs if not c.use_dot and c.num_warps == 4]
+    if gemv:
+        widest = max(gemv, key=lambda c: c.block_n)
+        gemv = [gemv[0]] + ([widest] if widest != gemv[0] else [])
     dot = [c for c in configs if c.use_dot and c.num_stages == 4]
-    return (gemv[:2] + dot)[:TUNED_CONFIGS]
+    return (gemv + dot)[:TUNED_CONFIGS]
 
 
 def small_m_config(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> QuantLaunchConfig:
