@@ -31,10 +31,9 @@ exact q - zero (an integer of at most 9 bits: exact in bf16 and fp16) and scales
 per row. Otherwise each weight is scaled with its own column's group.
 
 When BLOCK_B divides the row's bytes (EVEN_B, decided on the host), every step is whole or lies past
-the end, so whether its bytes exist is one scalar per step. Otherwise the byte mask is a vector computed
-from the split's end, which varies along the loads: Triton then loads one byte (one x element) at a time
-with a compare each, and the kernel is bound by instructions instead of memory. The row masks are
-constant along the byte axis and do not stop whole-vector loads.
+the end, so whether its bytes exist is one compare per step instead of one per byte (the loads are
+16-byte vectors either way: the sizes' divisibility by 16 tells Triton so). The row masks are constant
+along the byte axis and do not stop whole-vector loads.
 
 Integers become floats by the exponent trick (OR into the mantissa of 2**23, then subtract 2**23, folded
 with the zero, which becomes zero + 2**23 by the same OR): two full-rate instructions instead of an
