@@ -264,3 +264,22 @@ def test_inspect_sums_up_dense_and_quantized_choices():
     assert describe_linear_kernels(earlier) == (
         "Triton kernel for 1 of 1 shape x width; untuned -> tuned: M=4: 2.00 -> 1.50 ms")
 
+
+
+def test_a_residual_add_after_a_cublas_projection_stays_out_of_the_matmul():
+    """Compiled, `linear` then the residual add and an RMSNorm: the add joins the norm's kernel; a cuBLAS addmm
+    would copy the residual into its output first (one device copy per projection on the GPU)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from pt2serve.kernels.linear_choice import linear
+    from pt2serve.model.model import RMSNorm
+
+    norm = RMSNorm(64, 1e-6)
+
+    def residual_block(x, a, weight):
+        h = x + linear(a, weight)
+        return h, norm(h)
+
+    _, (code,) = run_and_get_code(torch.compile(residual_block), torch.randn(4, 64), torch.randn(4, 32),
+                                  torch.randn(64, 32))
+    assert "addmm" not in code
