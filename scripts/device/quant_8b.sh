@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU: weight-only int8 / int4 on the H200. Run it detached (setsid nohup ... &) and poll: it takes longer
 # than one call. Steps, each logged to $OUT:
-#   1. the quantized linear's kernels on the 8B shapes against bf16 torch.mm (scripts/device/quant_kernels.py)
+#   1. the quantized linear's kernel tests, compiled, then its kernels on the 8B shapes against bf16 torch.mm,
+#      every small-M config at M = 1, 16, 64 (scripts/device/quant_kernels.py --configs)
 #   2. toy-greedy exported with --quantize int8 and int4 (+ LM head and embedding): the method check (every
 #      compiled method against the eager quantized model) and the width check (graphs on/off, designed tokens)
 #   3. the llama-3.1-8b preset exported bf16, int8 and int4 (group 128; FORMATS picks), one after another (never in
@@ -21,8 +22,9 @@ step() { [[ " $STEPS " == *" $1 "* ]]; }
 pt2serve() { python3 -m pt2serve.cli "$@"; }
 
 if step 1; then
-echo "== 1. kernels"
-timeout 600 python3 scripts/device/quant_kernels.py 2>&1 | tee "$OUT/kernels.txt"
+echo "== 1. kernels: their tests compiled for the GPU, then timed (every config at M = 1, 16, 64)"
+timeout 600 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py 2>&1 | tail -5
+timeout 600 python3 scripts/device/quant_kernels.py --configs --widths 1,16,64 2>&1 | tee "$OUT/kernels.txt"
 
 fi
 
