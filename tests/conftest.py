@@ -71,6 +71,27 @@ def exported(name: str, options_for: Callable[[Path], ExportOptions], tmp_path_f
     return path
 
 
+@pytest.fixture
+def fake_tuning_times(monkeypatch):
+    """Export-time matmul tuning without a GPU: every graph it would time runs once (kernels in the interpreter)
+    and takes the next of the given times; one copy of each weight. Returns the installer, which returns the
+    iterator of times (exhausted once every expected timing was taken)."""
+    from pt2serve.export import linear_tuning
+
+    def install(times: list[float]):
+        fake = iter(times)
+
+        def run_and_time(work, replays) -> float:
+            work()
+            return next(fake)
+
+        monkeypatch.setattr(linear_tuning, "ROTATION_BYTES", 1)
+        monkeypatch.setattr(linear_tuning, "graph_replay_ms", run_and_time)
+        return fake
+
+    return install
+
+
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory) -> Path:
     return exported("tiny", lambda path: export_options_for_tests("tiny", path), tmp_path_factory)

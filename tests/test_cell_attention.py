@@ -8,15 +8,13 @@ random pool order.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from fresh_process import run_without_interpreter
 from pt2serve.kernels import cell_attention as ops
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
@@ -251,8 +249,7 @@ def exported_with_kernel(tmp_path_factory) -> Path:
     """forward_64 and forward_others of `tiny` with the kernel, traced in a process without TRITON_INTERPRET
     (under the interpreter, export would trace into the kernel instead of keeping the operator)."""
     folder = tmp_path_factory.mktemp("kernel-programs")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-c", EXPORT_SCRIPT, str(folder)], env=env, check=True)
+    run_without_interpreter(EXPORT_SCRIPT, str(folder))
     return folder
 
 

@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from fresh_process import run_without_interpreter  # noqa: E402
 from pt2serve.kernels.quant_linear import dequantize, pack, reference_quant_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -188,9 +189,8 @@ def test_operator_exports_with_a_dynamic_width(tmp_path):
             assert targets == ["pt2serve.quant_linear.default"], targets
         print("exported")
     """)
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0 and "exported" in done.stdout, done.stderr[-3000:]
+    done = run_without_interpreter(script, timeout=300)
+    assert "exported" in done.stdout
 
 
 def test_device_benchmark_runs_on_the_cpu():
@@ -272,7 +272,7 @@ def test_export_tunes_a_few_varied_configs_the_default_first(kernels, num_rows):
     assert not gemv or max(gemv) in {c.block_n for c in tuned if not c.use_dot}  # the widest gemv tile
 
 
-def test_tuning_times_every_quantized_config_and_keeps_the_fastest(kernels, monkeypatch):
+def test_tuning_times_every_quantized_config_and_keeps_the_fastest(kernels, monkeypatch, fake_tuning_times):
     """The tuning loop on the CPU with made-up times: every candidate runs (in the interpreter) on random packed
     weights of each quantized shape, and each key takes its fastest config, the default included."""
     from pt2serve.export import linear_tuning
@@ -287,14 +287,7 @@ def test_tuning_times_every_quantized_config_and_keeps_the_fastest(kernels, monk
     for _ in shapes:
         times += [1.0, 0.9, 0.5]  # width 1: the last candidate is the fastest
         times += [1.0, 1.2, 1.1]  # width 16: the default is
-    fake = iter(times)
-
-    def run_and_time(work, replays) -> float:
-        work()
-        return next(fake)
-
-    monkeypatch.setattr(linear_tuning, "ROTATION_BYTES", 1)  # one copy of each weight
-    monkeypatch.setattr(linear_tuning, "graph_replay_ms", run_and_time)
+    fake = fake_tuning_times(times)
     choices, timings = linear_tuning.tune(model, widths + (128,), show_progress=False)  # 128: no static kernel
     assert next(fake, None) is None  # every candidate was timed
     assert [(t.shape, t.width) for t in timings] == [(s, w) for s in shapes for w in widths]
@@ -348,10 +341,6 @@ def test_a_chosen_config_is_traced_into_the_call(tmp_path):
                 calls = [node for node in program.graph.nodes if node.op == "call_function"]
                 print(width, [str(node.target) for node in calls], list(calls[0].args[5:]))  # past x and the weights
     """)
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=Path(__file__).parents[1])
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
+    lines = run_without_interpreter(script, timeout=300).stdout.splitlines()
     assert lines[-2] == "4 ['pt2serve.quant_linear_small_m.default'] [4, 64, True, 16, 32, 64, 4, 3, 2]"
     assert lines[-1] == "5 ['pt2serve.quant_linear.default'] [4, 64]"

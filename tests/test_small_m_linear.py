@@ -8,9 +8,6 @@ tested with given timings.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ pytest.importorskip("triton")
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
+from fresh_process import run_without_interpreter  # noqa: E402
 from pt2serve.export.linear_tuning import MARGIN, MatmulShape, Timing, describe, model_matmuls  # noqa: E402
 from pt2serve.kernels.linear_choice import (  # noqa: E402
     LaunchConfig,
@@ -176,9 +174,7 @@ def test_a_method_traced_with_choices_holds_the_kernels_and_matches_the_model(ke
     """Traced in a process without TRITON_INTERPRET (under it, export traces into the kernel instead of
     keeping the operator); AOTInductor compiling it is checked on the GPU."""
     path = tmp_path / "forward.pt2"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-c", TRACE_SCRIPT, str(path), str(width)], env=env, check=True,
-                   cwd=Path(__file__).parents[1])
+    run_without_interpreter(TRACE_SCRIPT, str(path), str(width))
     program = torch.export.load(path)
     targets = [str(node.target) for node in program.graph.nodes]
     model = build_preset_model("tiny", torch.float32).eval()
@@ -216,7 +212,7 @@ def test_tuning_times_every_quantized_shape_and_takes_a_config_for_each():
     assert set(choices.configs) == {t.key for t in timings}
 
 
-def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkeypatch):
+def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkeypatch, fake_tuning_times):
     """The tuning loop on the CPU with made-up times: every candidate config it has runs (in the interpreter), a key
     takes the fastest config unless cuBLAS beats it past the margin, and stays cuBLAS where it does."""
     from pt2serve.export import linear_tuning
@@ -231,14 +227,7 @@ def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkey
             count = len(linear_tuning.candidates(width, shape.kind == "swiglu"))
             # width 1: the last candidate is much faster; width 16: cuBLAS beats every candidate past the noise
             times += [1.0] + ([0.99] * (count - 1) + [0.5] if width == 1 else [1.05] * count)
-    fake = iter(times)
-
-    def run_and_time(work, replays) -> float:
-        work()
-        return next(fake)
-
-    monkeypatch.setattr(linear_tuning, "ROTATION_BYTES", 1)  # one copy of each weight
-    monkeypatch.setattr(linear_tuning, "graph_replay_ms", run_and_time)
+    fake = fake_tuning_times(times)
     choices, timings = linear_tuning.tune(model, widths + (128,), show_progress=False)  # 128: no static kernel
     assert next(fake, None) is None  # every candidate was timed
     assert [(t.shape, t.width) for t in timings] == [(s, w) for s in shapes for w in widths]
