@@ -2,11 +2,12 @@
 
 For every weight shape of the model and every static width up to SMALL_M_MAX, each launch config of the
 small-M kernels (kernels/linear_choice.py) is timed against cuBLAS; the fastest config is chosen unless
-cuBLAS beats it by more than the timing noise (a tie goes to the Triton kernel: see Timing.chosen). A quantized weight always runs its own small-M kernel at these widths
-(kernels/quant_linear_triton.py): a few launch configs of it (tuning_candidates) are timed on random packed
-weights of the weight's shape and format, and the fastest is chosen (the default config, which an untuned export runs, is
-one of them). The choices are traced into the methods and recorded in the metadata with the times that
-chose them (nothing is tuned at load).
+cuBLAS beats it by more than the timing noise (a tie goes to the Triton kernel: see Timing.chosen). A
+quantized weight always runs its own small-M kernel at these widths (kernels/quant_linear_triton.py): a few
+launch configs of it (tuning_candidates) are timed on random packed weights of the weight's shape and
+format, and the fastest is chosen (the default config, which an untuned export runs, is one of them). The
+choices are traced into the methods and recorded in the metadata with the times that chose them (nothing is
+tuned at load).
 
 How a time is taken: a step reads each weight once from DRAM, so a kernel timed in a loop over one weight
 would be served partly from L2 (50 MB on an H200). Each measurement captures calls over enough copies of

@@ -301,7 +301,8 @@ if triton is not None:
         tl.store(out_ptr + (token * NUM_HEADS + head) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
     def launch_cell_attention(
-        q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq_end, config: LaunchConfig
+        q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq_end,
+        config: LaunchConfig,
     ) -> torch.Tensor:
         """Run both kernels with an explicit launch config (the operator picks one per call site)."""
         num_tokens, num_heads, head_dim = q.shape

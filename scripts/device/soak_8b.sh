@@ -28,12 +28,9 @@ if ! python3 -c "import fastapi, uvicorn, pydantic, prometheus_client, openai" 2
   export PYTHONPATH=/tmp/pt2serve-py:$PYTHONPATH
 fi
 
-if [ ! -f "$ARTIFACT" ]; then
-  start=$(date +%s)
-  timeout ${EXPORT_LIMIT_S:-600} python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache --preset "$PRESET" \
-    --max-context 4096 --graph-entries 8192 -o "$ARTIFACT" || { echo "export failed or timed out"; exit 1; }
-  echo "export seconds: $(( $(date +%s) - start ))"
-fi
+source scripts/device/export_unless_present.sh
+export_unless_present "$ARTIFACT" "${EXPORT_LIMIT_S:-600}" --backend cuda --use-offgraph-kv-cache --preset "$PRESET" \
+  --max-context 4096 --graph-entries 8192 || exit 1
 
 python3 -m pt2serve.cli serve-artifact "$ARTIFACT" --port "$PORT" --num-cells "$NUM_CELLS" \
   --max-queued "$MAX_QUEUED" --max-sessions 32 --drain-timeout 30 \
