@@ -3,21 +3,26 @@
 #   setsid nohup scripts/device/chain_8b.sh > /dev/null 2>&1 &     then poll:     scripts/device/chain_8b.sh --poll
 # It copies the repo to /tmp/chain/repo (later calls may rewrite the working tree under it), exports the
 # llama-3.1-8b preset once to /tmp/model.pt2 (matmul kernels tuned; if that export fails, once more without
-# tuning), then runs, one after another, each logged to /tmp/chain/NAME.log:
+# tuning), then runs each step logged to /tmp/chain/NAME.log, the timed ones alone:
 #   sweep       bench sweep of decode widths and two wide steps, then the kernel profile of T = 1, 32, 64
 #   matmuls     scripts/device/matmul_floor.py: a step's weight matmuls, cuBLAS vs the chosen kernels vs floor
 #   speculate   scripts/device/speculate.sh (verify cost for k = 3, 7, 15; n-gram against none)
-#   soak        scripts/device/soak_8b.sh (10 minutes; its server's load line gives launch to ready), alone: with
+#   soak        scripts/device/soak_8b.sh (10 minutes; its server's load line gives launch to ready): with
 #               exports and tuning beside it (16 cores busy) its server answered too late and the soak failed
+# then three untimed checks side by side (compiles on 16 cores, small models on the GPU):
 #   cuda-tests  the tests marked cuda and the kernels' tests compiled (scripts/device/cuda_tests.sh)
-#   tuned-small llama-3.2-1b exported in fp32 with tuned kernels: the method check (toy-greedy's tuned bf16 width
-#               check and graph memory: docs/benchmarks.md, fifth run; scripts/device/graph_memory.py)
-# About 27 minutes of device time. int8/int4 (quant_8b.sh) and DFlash (dflash.sh) need windows of their own.
+#   tuned-small llama-3.2-1b exported in fp32 with tuned kernels: the method check
+#   dflash-export  scripts/device/dflash.sh EXPORT_ONLY=1 (qwen3-0.6b with a random draft)
+# and last, alone again:
+#   dflash      scripts/device/dflash.sh on that export: tokens/s against the oracle's accepted length
+#   quant-kernels  the quantized kernels' configs timed on the 8B shapes (quant_kernels.py), then their tests
+#               compiled (quant_8b.sh's step 1); the int8/int4 exports (quant_8b.sh) need a window of their own
+# About 28 minutes of device time.
 # Serving needs the wheels in .whl/ (see serving_8b.sh). --poll prints each step's state and its log's tail and
 # packs /tmp/chain into $OUT/chain.tar.gz.
 set -uo pipefail
 CHAIN=/tmp/chain
-STEPS=(export sweep matmuls speculate soak cuda-tests tuned-small)
+STEPS=(export sweep matmuls speculate soak cuda-tests tuned-small dflash-export dflash quant-kernels)
 
 if [ "${1:-}" = "--poll" ]; then
   for step in "${STEPS[@]}"; do
@@ -64,11 +69,20 @@ tuned_small() {  # the method check (every compiled method against the eager mod
     && timeout 180 python3 scripts/device/method_check.py /tmp/1b-fp32.pt2 llama-3.2-1b
 }
 
+quant_kernels() {
+  timeout 240 python3 scripts/device/quant_kernels.py --configs --widths 1,16,64
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py 2>&1 | tail -5
+}
+
 run export export_8b
 [ -f "$ARTIFACT" ] || exit 1
 run sweep sweep
 run matmuls timeout 180 python3 scripts/device/matmul_floor.py "$ARTIFACT" "$PRESET"
 RUN_LIMIT_S=120 run speculate scripts/device/speculate.sh
 run soak scripts/device/soak_8b.sh
-run cuda-tests scripts/device/cuda_tests.sh
-run tuned-small tuned_small
+run cuda-tests scripts/device/cuda_tests.sh &
+run tuned-small tuned_small &
+EXPORT_ONLY=1 run dflash-export scripts/device/dflash.sh &
+wait
+RUN_LIMIT_S=120 run dflash scripts/device/dflash.sh
+run quant-kernels quant_kernels
