@@ -82,7 +82,8 @@ RUN_LIMIT_S=120 run speculate scripts/device/speculate.sh
 run soak scripts/device/soak_8b.sh
 run cuda-tests scripts/device/cuda_tests.sh &
 run tuned-small tuned_small &
-EXPORT_ONLY=1 run dflash-export scripts/device/dflash.sh &
+# ARTIFACT names the 8B here: the DFlash steps take their own export.
+ARTIFACT= EXPORT_ONLY=1 run dflash-export scripts/device/dflash.sh &
 wait
-RUN_LIMIT_S=120 run dflash scripts/device/dflash.sh
+ARTIFACT= RUN_LIMIT_S=120 run dflash scripts/device/dflash.sh
 run quant-kernels quant_kernels

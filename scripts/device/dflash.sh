@@ -23,6 +23,9 @@ else
 fi
 
 if [ -f "$ARTIFACT" ]; then
+  "$PYTHON" -c "import sys; from pt2serve.runtime.artifact import read_metadata; \
+sys.exit(0 if read_metadata(sys.argv[1]).draft is not None else 1)" "$ARTIFACT" \
+    || { echo "$ARTIFACT holds no DFlash draft: unset ARTIFACT, or name one exported with --draft"; exit 1; }
   echo "reusing $ARTIFACT"
 else
   # A random draft of the published shape for this target: DRAFT_LAYERS Qwen3 layers, block 16.
