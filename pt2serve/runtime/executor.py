@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from pt2serve.contract import ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED, SAMPLE, SAMPLE_ARGMAX
+from pt2serve.contract import ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED, SAMPLE, SAMPLE_ARGMAX, SCRATCH_CELL
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import Artifact
 from pt2serve.runtime.cells import (
@@ -42,6 +42,7 @@ from pt2serve.runtime.grammar import apply_masks, bitmask_words
 from pt2serve.runtime.graphs import capture_all
 from pt2serve.runtime.logits import LogitsProcessor
 from pt2serve.runtime.logprobs import ScoredRows, TokenLogprob, score
+from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.runtime.step import Chunk, MethodCall, choose_method, pack, regions, slice_step
 from pt2serve.runtime.verify import acceptance_inputs, emitted_tokens
 
@@ -49,6 +50,7 @@ from pt2serve.runtime.verify import acceptance_inputs, emitted_tokens
 # On the CPU the pool shares host memory with everything else, and a CPU serves few tokens at a time: by
 # default it holds no more than this many tokens (or one max-context sequence, if longer).
 CPU_POOL_TOKENS = 65536
+_SCRATCH_ONLY = np.array([SCRATCH_CELL])  # the cells of a sequence that only ever touches the scratch cell
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,11 @@ class ExecutorConfig:
     # Run the artifact's DFlash draft (--speculate dflash): allocate its cell pool and write its context with
     # every forward. The artifact must hold one (export --draft).
     draft: bool = False
+    # Run the widest step the artifact takes once at load, every row sampled, so that its activations are
+    # held by the caching allocator from the start: a step too wide for the memory fails at load with a
+    # message, not under traffic, and device memory stays flat while serving (a wider step than any before
+    # grew it by 96 MB in the middle of a soak). None: on CUDA, where the allocator keeps what a step used.
+    reserve_widest_step: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_cells is not None and self.num_cells < 2:
@@ -212,6 +219,7 @@ class MemoryReport:
     pool_sized_by: str  # what set the pool's size, in words
     pool_seconds: float  # sizing and allocating (zeroing) the pool
     capture_seconds: float
+    widest_step_bytes: int  # device memory the widest step reserved beyond the graphs' (0: not run, or the CPU)
     setup_seconds: float  # all of the executor's setup: the pool, the graphs and the rest
 
 
@@ -255,17 +263,35 @@ class Executor:
             self._static, capture_seconds = capture_all(
                 self._run_forward, idle_steps, self.pools, self.device, self.uses_cuda_graphs
             )
+        graph_bytes = max(0, free_before - _free_device_bytes(self.device)) if self.uses_cuda_graphs else 0
+        reserve = self.device.type == "cuda" if config.reserve_widest_step is None else config.reserve_widest_step
+        widest_step_bytes = self._reserve_widest_step() if reserve else 0
         pool_bytes = self._pool_storage.numel() * self._pool_storage.element_size()
         self.memory = MemoryReport(
             weight_bytes=artifact.report.weight_bytes,
             pool_bytes=pool_bytes + (self.draft.pool_bytes if self.draft is not None else 0),
-            graph_bytes=max(0, free_before - _free_device_bytes(self.device)) if self.uses_cuda_graphs else 0,
+            graph_bytes=graph_bytes,
             num_cells=num_cells,
             pool_sized_by=sized_by,
             pool_seconds=pool_seconds,
             capture_seconds=capture_seconds,
+            widest_step_bytes=widest_step_bytes,
             setup_seconds=time.perf_counter() - setup_started,
         )
+
+    def _reserve_widest_step(self) -> int:
+        """Run a step of max_step_tokens one-token sequences, each sampled with top-p (the sampler's widest
+        path), and return the device memory it left reserved. Every token writes and reads only the scratch
+        cell, as padding does: no real cell is touched."""
+        reserved_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        sampling = SamplingParams(temperature=1.0, top_p=0.5)
+        chunks = [Chunk(_SCRATCH_ONLY, (0,), 0, sampling, uniform=0.5)] * self.max_step_tokens
+        with _out_of_memory_explained(f"running the widest step ({self.max_step_tokens} tokens, all sampled)",
+                                      "lower --num-cells or --kv-memory-fraction"):
+            self.step(chunks)
+        if self.device.type != "cuda":
+            return 0
+        return max(0, torch.cuda.memory_reserved(self.device) - reserved_before)
 
     def _pool_size(self, config: ExecutorConfig) -> tuple[int, str]:
         """The pool's cells (with the scratch cell) and what decided it."""
@@ -466,8 +492,8 @@ def _free_device_bytes(device: torch.device) -> int:
 
 
 @contextmanager
-def _out_of_memory_explained(doing: str) -> Iterator[None]:
+def _out_of_memory_explained(doing: str, remedy: str = "lower --num-cells, or free the GPU") -> Iterator[None]:
     try:
         yield
     except torch.OutOfMemoryError:
-        raise Pt2ServeError(f"out of device memory {doing}: lower --num-cells, or free the GPU") from None
+        raise Pt2ServeError(f"out of device memory {doing}: {remedy}") from None
