@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 
 from conftest import assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch
@@ -18,7 +19,7 @@ from pt2serve.runtime.executor import ExecutorConfig
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec
 from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
-from pt2serve.runtime.scheduler import Scheduler, SchedulerConfig
+from pt2serve.runtime.scheduler import MAX_DRAFT_PAUSE, Scheduler, SchedulerConfig
 
 CELLS = ExecutorConfig(num_cells=4097)
 VOCAB = 258
@@ -281,6 +282,62 @@ def test_scheduler_finishes_at_the_first_stop_token_of_a_step():
     assert [(e.token, e.finish_reason) for e in events] == [(50, None), (51, FinishReason.STOP)]
     assert request.tokens[-2:] == [50, 51] and not scheduler.has_work()
     assert allocator.num_used == scheduler.prefix_cache.num_cells
+
+
+class CountingDrafter:
+    """Proposes `drafts` and notes the length of the tokens it was asked to continue."""
+
+    def __init__(self, drafts) -> None:
+        self.drafts = drafts
+        self.asked_at: list[int] = []
+
+    def propose(self, tokens, max_drafts):
+        self.asked_at.append(len(tokens))
+        return tuple(self.drafts[:max_drafts])
+
+
+def run_in_flight(scheduler: Scheduler, num_steps: int, emitted=lambda chunk: None) -> None:
+    """Plan each step while the last one is in flight, as the runner does; a verifying chunk emits
+    `emitted(chunk)` (None: its pending token's successor alone), every other sampled chunk emits 9."""
+    def commit(plan) -> None:
+        tokens = tuple(9 if c.samples and not c.drafts else None for c in plan.chunks)
+        scheduler.commit(plan, tokens, tuple((emitted(c) or (9,)) if c.drafts else None for c in plan.chunks))
+
+    in_flight = None
+    for _ in range(num_steps):
+        plan = scheduler.plan()
+        if in_flight is not None:
+            commit(in_flight)
+        in_flight = plan if plan.chunks else None
+    if in_flight is not None:
+        commit(in_flight)
+
+
+def test_a_drafter_that_brings_nothing_is_asked_ever_less_often():
+    """Each attempt that brings no accepted token doubles the decodes made without drafts (and with a step in
+    flight) before the next, up to MAX_DRAFT_PAUSE; an accepted draft ends the pause."""
+    allocator = CellAllocator(512)
+    config = SchedulerConfig(token_budget=16, max_decode_sequences=16, max_context=256)
+    drafter = CountingDrafter(())  # proposes nothing
+    scheduler = Scheduler(config, allocator, drafter)
+    scheduler.add(Request(1, RequestSpec((1, 2, 3), 200, num_draft_tokens=4), [1, 2, 3], RequestRandom(0)))
+    run_in_flight(scheduler, 120)
+    gaps = np.diff(drafter.asked_at).tolist()
+    # Between two asks: the decode of the attempt, then the pause's decodes.
+    assert gaps[:7] == [2, 3, 5, 9, MAX_DRAFT_PAUSE + 1, MAX_DRAFT_PAUSE + 1, MAX_DRAFT_PAUSE + 1]
+
+    # Drafts proposed but all rejected pause the same way; one accepted draft and it drafts every step again.
+    drafter = CountingDrafter((50, 51))
+    scheduler = Scheduler(config, CellAllocator(512), drafter)
+    request = Request(2, RequestSpec((1, 2, 3), 200, num_draft_tokens=2), [1, 2, 3], RequestRandom(0))
+    scheduler.add(request)
+    run_in_flight(scheduler, 30, emitted=lambda chunk: None)  # every draft rejected
+    assert np.diff(drafter.asked_at).tolist()[:4] == [2, 3, 5, 9]
+    assert request.draft_misses >= 4
+    asked = len(drafter.asked_at)
+    run_in_flight(scheduler, 60, emitted=lambda chunk: chunk.drafts + (9,))  # every draft accepted
+    assert request.draft_misses == 0 and request.draft_pause == 0
+    assert set(np.diff(drafter.asked_at[asked + 1:]).tolist()) == {3}  # 2 drafts + 1 per step, every time
 
 
 def test_speculating_decodes_share_the_token_budget():

@@ -78,6 +78,10 @@ class Request:
     num_unresolved: int = 0  # samples scheduled whose tokens have not come back yet
     status: RequestStatus = RequestStatus.WAITING
     last_prefill_step: int = -1  # the step that last gave it a prefill chunk (-1: never)
+    # Speculation (scheduler.py): drafting attempts in a row that brought no accepted token, and how many
+    # decodes it makes without drafts (one step in flight) before its drafter is asked again.
+    draft_misses: int = 0
+    draft_pause: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
