@@ -3,6 +3,8 @@ the real-shape presets have the published parameter counts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,6 +34,23 @@ def test_toy_greedy_margin_is_wide():
     logits = EagerSequence(model, 64).extend([256] + list(range(40)))
     top2 = logits.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).min() > 5.0
+
+
+def test_toy_greedy_8b_keeps_the_design_through_its_32_layers_in_bf16(monkeypatch):
+    """toy-greedy-8b is llama-3.1-8b's shape; its design, at that depth and a quarter of the width (the full
+    model does not fit a test), gives the designed tokens in bf16 with a wide margin."""
+    from pt2serve.model.eager import EagerSequence
+
+    assert CONFIGS["toy-greedy-8b"] == CONFIGS["llama-3.1-8b"] and get_preset("toy-greedy-8b").tokenizer is None
+    narrow = dataclasses.replace(CONFIGS["toy-greedy-8b"], hidden_size=1024, intermediate_size=3584, num_heads=8,
+                                 num_kv_heads=2, vocab_size=1024)
+    monkeypatch.setitem(CONFIGS, "toy-greedy-8b", narrow)
+    model = build_preset_model("toy-greedy-8b", torch.bfloat16).eval()
+    prompt = list(range(0, 258, 5))
+    logits = EagerSequence(model, 64).extend(prompt)
+    top2 = logits.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 5.0
+    assert greedy_generate(model, prompt, 8) == toy_greedy_continuation(prompt, 8)
 
 
 def test_generated_weights_are_deterministic():

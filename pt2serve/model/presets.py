@@ -3,6 +3,8 @@
 - tiny: a few small layers and a byte-level tokenizer, for CPU demos and tests.
 - toy-greedy: weights built so that each token strongly predicts a fixed successor (see `toy_successor`),
   so greedy output is known in advance and exact token equality can be asserted anywhere.
+- toy-greedy-8b: llama-3.1-8b's shape with toy-greedy's design (token ids only): the 8B's cost per step with
+  output known in advance, for exact-token checks at that size and for drafters that need text that repeats.
 - llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, qwen3-8b: the published shapes with random weights, for benchmarks.
 """
 
@@ -62,7 +64,11 @@ CONFIGS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
     ),
 }
+CONFIGS["toy-greedy-8b"] = CONFIGS["llama-3.1-8b"]
 PRESET_NAMES = tuple(CONFIGS)
+# The designed presets, and the size of the one-hot signal their embedding writes into the residual stream:
+# it must outweigh what every layer's small random branches add (see _fill_toy_greedy).
+_DESIGNED_SIGNAL = {"toy-greedy": 1.0, "toy-greedy-8b": 64.0}
 _WITH_BYTE_TOKENIZER = ("tiny", "toy-greedy")
 
 
@@ -90,8 +96,8 @@ def build_preset_model(
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(SEED)
     with torch.no_grad():
-        if name == "toy-greedy":
-            _fill_toy_greedy(model, generator)
+        if name in _DESIGNED_SIGNAL:
+            _fill_toy_greedy(model, generator, _DESIGNED_SIGNAL[name])
         else:
             _fill_random(model, generator)
     model = model.to(dtype)
@@ -122,25 +128,30 @@ def toy_greedy_continuation(prompt: list[int], num_tokens: int) -> list[int]:
     return out
 
 
-def _fill_toy_greedy(model: Transformer, generator: torch.Generator) -> None:
-    """Embeddings one-hot in the first V dims; lm_head maps token t's direction to successor(t).
+def _fill_toy_greedy(model: Transformer, generator: torch.Generator, signal: float) -> None:
+    """Embeddings one-hot (times `signal`) in the first BYTE_VOCAB_SIZE dims; lm_head maps token t's direction
+    to successor(t). Only those tokens are designed: the others embed to zero and are never the successor.
 
     Attention and MLP get small random weights, so the path through them is exercised, while the
-    successor logit leads every other by a wide margin (about 8 in logit units, against perturbations
-    well under 1), so greedy output is the same in fp32, bf16 and any batch composition.
+    successor logit leads every other by a wide margin, so greedy output is the same in fp32, bf16 and any
+    batch composition. Each layer's branches add about 0.14 per dim to the residual whatever its input (they
+    read it normalised; o_proj and down_proj are scaled by 0.05), so after L layers about 0.14 sqrt(L): the
+    signal must stay well above that (toy-greedy: 2 layers, signal 1, margin about 8 in logit units;
+    toy-greedy-8b: 32 layers, noise about 0.8 a dim, signal 64, margin about 6).
     """
     _fill_random(model, generator)
     cfg = model.config
-    vocab = cfg.vocab_size
+    designed = BYTE_VOCAB_SIZE
     for layer in model.layers:
         layer.self_attn.o_proj.weight.mul_(0.05)
         layer.mlp.down_proj.weight.mul_(0.05)
+    device = model.embed_tokens.weight.device
     model.embed_tokens.weight.zero_()
-    model.embed_tokens.weight[:, :vocab] = torch.eye(vocab, device=model.embed_tokens.weight.device)
-    # After the final RMSNorm a one-hot row becomes ~sqrt(hidden) in its own dim.
+    model.embed_tokens.weight[:designed, :designed] = torch.eye(designed, device=device) * signal
+    # After the final RMSNorm the one-hot row is ~sqrt(hidden) in its own dim.
     scale = 8.0 / cfg.hidden_size**0.5
-    head = torch.zeros(vocab, cfg.hidden_size, device=model.embed_tokens.weight.device)
-    for token in range(vocab):
+    head = torch.zeros(cfg.vocab_size, cfg.hidden_size, device=device)
+    for token in range(designed):
         head[toy_successor(token), token] = scale
     model.lm_head.weight.copy_(head)
 

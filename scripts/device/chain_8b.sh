@@ -9,6 +9,8 @@
 #   speculate   scripts/device/speculate.sh (verify cost for k = 3, 7, 15; n-gram against none)
 #   soak        scripts/device/soak_8b.sh (10 minutes; its server's load line gives launch to ready): with
 #               exports and tuning beside it (16 cores busy) its server answered too late and the soak failed
+#   width-check with PRESET=toy-greedy-8b (the 8B's shape, designed greedy output): scripts/device/graphs_check.py,
+#               every width's tokens against the designed ones with graphs on and off, in bf16 at the 8B's size
 # then three untimed checks side by side (compiles on 16 cores, small models on the GPU):
 #   cuda-tests  the tests marked cuda and the kernels' tests compiled (scripts/device/cuda_tests.sh)
 #   tuned-small llama-3.2-1b exported in fp32 with tuned kernels: the method check
@@ -17,12 +19,12 @@
 #   dflash      scripts/device/dflash.sh on that export: tokens/s against the oracle's accepted length
 #   quant-kernels  the quantized kernels' configs timed on the 8B shapes (quant_kernels.py), then their tests
 #               compiled (quant_8b.sh's step 1); the int8/int4 exports (quant_8b.sh) need a window of their own
-# About 28 minutes of device time.
+# About 28 minutes of device time; SKIP="step ..." leaves steps out (e.g. SKIP="tuned-small quant-kernels").
 # Serving needs the wheels in .whl/ (see serving_8b.sh). --poll prints each step's state and its log's tail and
 # packs /tmp/chain into $OUT/chain.tar.gz.
 set -uo pipefail
 CHAIN=/tmp/chain
-STEPS=(export sweep matmuls speculate soak cuda-tests tuned-small dflash-export dflash quant-kernels)
+STEPS=(export sweep matmuls speculate soak width-check cuda-tests tuned-small dflash-export dflash quant-kernels)
 
 if [ "${1:-}" = "--poll" ]; then
   for step in "${STEPS[@]}"; do
@@ -36,12 +38,13 @@ fi
 
 mkdir -p "$CHAIN" && rm -rf "$CHAIN/repo" && cp -r "$PWD" "$CHAIN/repo" && cd "$CHAIN/repo" || exit 1
 export CXX=/usr/bin/g++   # the image's default g++ carries its own libstdc++, and loading then segfaults
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PRESET=llama-3.1-8b ARTIFACT=/tmp/model.pt2
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PRESET=${PRESET:-llama-3.1-8b} ARTIFACT=/tmp/model.pt2
 source scripts/device/server_wheels.sh
 export PYTHONPATH=$PYTHONPATH${SERVER_SITE:+:$SERVER_SITE}
 
-run() {  # NAME COMMAND...: one step, its output in $CHAIN/NAME.log and its own $OUT
+run() {  # NAME COMMAND...: one step, its output in $CHAIN/NAME.log and its own $OUT; skipped if SKIP names it
   local name=$1 start; shift
+  [[ " ${SKIP:-} " == *" $name "* ]] && { echo "skipped (SKIP)" > "$CHAIN/$name.state"; return; }
   echo "running since $(date +%T)" > "$CHAIN/$name.state"
   start=$(date +%s)
   OUT=$CHAIN/$name "$@" > "$CHAIN/$name.log" 2>&1
@@ -80,6 +83,7 @@ run sweep sweep
 run matmuls timeout 180 python3 scripts/device/matmul_floor.py "$ARTIFACT" "$PRESET"
 RUN_LIMIT_S=120 run speculate scripts/device/speculate.sh
 run soak scripts/device/soak_8b.sh
+[ "$PRESET" = toy-greedy-8b ] && run width-check timeout 400 python3 scripts/device/graphs_check.py "$ARTIFACT" "$PRESET"
 run cuda-tests scripts/device/cuda_tests.sh &
 run tuned-small tuned_small &
 # ARTIFACT names the 8B here: the DFlash steps take their own export.

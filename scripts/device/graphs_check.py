@@ -1,6 +1,7 @@
 """On a GPU: the same random mixed steps with CUDA graphs on and off give identical tokens.
 
-Usage: python scripts/device/graphs_check.py ARTIFACT.pt2 (a toy-greedy export for the GPU)
+Usage: python scripts/device/graphs_check.py ARTIFACT.pt2 [PRESET]   (an export of a designed preset for the GPU:
+toy-greedy, the default, or toy-greedy-8b, the 8B's shape)
 Fresh cells are filled with NaN first, so a read of a cell before its write shows up as a wrong token.
 Prints load/capture time and memory, then one table row per configuration. A step whose tokens differ
 from the designed ones is diagnosed at once, from the pool as it was before the step: the executor again,
@@ -26,7 +27,7 @@ WIDTHS = list(range(1, 66)) + [96, 97]
 GREEDY = SamplingParams()
 
 
-def run_widths(executor: Executor, seed: int) -> tuple[list, list, float]:
+def run_widths(executor: Executor, seed: int, preset: str) -> tuple[list, list, float]:
     """Teacher-forced random mixes of sequences; returns (tokens, methods, seconds)."""
     rng = np.random.default_rng(seed)
     outputs, methods = [], []
@@ -64,7 +65,7 @@ def run_widths(executor: Executor, seed: int) -> tuple[list, list, float]:
         if wrong:
             print(f"width {width} via {'+'.join(step_methods)}: {wrong} of {len(chunks)} outputs differ: "
                   f"designed {expected}, got {list(result.tokens)}")
-            diagnose(executor, chunks, expected, before)
+            diagnose(executor, chunks, expected, before, preset)
         for cells in held:
             executor.allocator.free(cells)
     if executor.device.type == "cuda":
@@ -72,7 +73,8 @@ def run_widths(executor: Executor, seed: int) -> tuple[list, list, float]:
     return outputs, methods, time.perf_counter() - started
 
 
-def diagnose(executor: Executor, chunks: list[Chunk], expected: list, before: list[torch.Tensor]) -> None:
+def diagnose(executor: Executor, chunks: list[Chunk], expected: list, before: list[torch.Tensor],
+             preset: str) -> None:
     """Re-run a failed step from the pool as it was before it: the executor's own path again, then each
     piece compiled (no graph, fresh input tensors) and eager on copies; print each output row."""
     def restore() -> None:
@@ -83,7 +85,7 @@ def diagnose(executor: Executor, chunks: list[Chunk], expected: list, before: li
     print(f"  executor again: {list(executor.step(chunks).tokens)}")
     restore()
     artifact, meta = executor.artifact, executor.artifact.metadata
-    model = build_preset_model("toy-greedy", meta.kv_dtype, executor.device).eval()
+    model = build_preset_model(preset, meta.kv_dtype, executor.device).eval()
     for piece, call in executor.method_calls(chunks):
         method = call.method
         print(f"  {method}: sizes {call.sizes}")
@@ -120,14 +122,19 @@ def diagnose(executor: Executor, chunks: list[Chunk], expected: list, before: li
 
 def main() -> None:
     path = sys.argv[1]
+    preset = sys.argv[2] if len(sys.argv) > 2 else "toy-greedy"
     artifact = load_artifact(path)
     print(f"load: {artifact.report.load_seconds:.2f} s, weights {artifact.report.weight_bytes / 1e6:.1f} MB")
     rows = []
     results = {}
+    # The widest step's sequences hold about 4 cells per token (up to 40 of context each): 16 leaves room.
+    meta = artifact.metadata
+    num_cells = min(meta.max_cells + 1, max(4096, 16 * (meta.max_step_tokens + 20)))
     for use_graphs in (True, False):
-        executor = Executor(artifact, ExecutorConfig(num_cells=4096, use_cuda_graphs=use_graphs, use_static_methods=True))
+        executor = Executor(artifact, ExecutorConfig(num_cells=num_cells, use_cuda_graphs=use_graphs,
+                                                     use_static_methods=True))
         mem = executor.memory
-        outputs, methods, seconds = run_widths(executor, seed=0)
+        outputs, methods, seconds = run_widths(executor, seed=0, preset=preset)
         expected = [v for k, v in outputs if k == "expect"]
         got = [v for k, v in outputs if k == "got"]
         results[use_graphs] = got
