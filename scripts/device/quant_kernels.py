@@ -7,7 +7,10 @@ For each layer shape, bits (int8 per row, int4 group 128 with zero points) and w
 op's max error relative to the reference (dequantize then matmul), bf16 torch.mm's time, the op's time,
 the floor (the bytes the op must read, over the device's read bandwidth), op/floor and op/mm. With
 --configs it also times every small-M launch config (kernels/quant_linear_triton.py small_m_candidates,
-the first one is the default) for the widths <= 64, so the default can be set to the winner. The plain
+the first one is the default) for the widths <= 64, so the default can be set to the winner. On the GPU it
+also times torch's own weight-only kernels on the same weights, as a peer: `_weight_int4pack_mm` (tinygemm:
+int4 with a float zero point per group) and `_weight_int8pack_mm` (int8 per row), where this torch has them
+for CUDA. The plain
 run takes well under a minute on an H200; --configs compiles and times about fifty configs per layer and
 bits (a few minutes: narrow it with --widths 1,16,64).
 
@@ -34,7 +37,7 @@ import torch  # noqa: E402
 
 from pt2serve.kernels import quant_linear_triton as kernels  # noqa: E402  (registers the op)
 from pt2serve.kernels.graph_timing import graph_replay_ms  # noqa: E402
-from pt2serve.kernels.quant_linear import pack, reference_quant_linear  # noqa: E402
+from pt2serve.kernels.quant_linear import pack, reference_quant_linear, unpack  # noqa: E402
 
 GPU_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
               "down_proj": (4096, 14336)}
@@ -65,6 +68,22 @@ def make_weights(n: int, k: int, bits: int, group_size: int, device: str, dtype:
     zeros = None if bits == 8 else torch.randint(0, 16, (n, num_groups), device=device, generator=gen).to(torch.uint8)
     dense = (torch.randn(n, k, device=device, generator=gen) * 0.02).to(dtype)
     return Weights(pack(q, bits), scales, zeros, dense)
+
+
+def aten_peer(weights: Weights, bits: int, group_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """torch's own kernel for these weights, in its layout: w = (q - 8) * scale + zero for tinygemm's int4, so
+    zero = (8 - our integer zero) * scale; w = q * scale for int8 per row, so q = ours - 128."""
+    q = unpack(weights.qweight, bits)
+    if bits == 8:
+        signed = (q.to(torch.int16) - 128).to(torch.int8)
+        scales = weights.scales.flatten().contiguous()
+        return lambda x: torch.ops.aten._weight_int8pack_mm(x, signed, scales)
+    inner_k_tiles = 8
+    packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), inner_k_tiles)
+    scales = weights.scales.float()
+    zeros = (8 - weights.zeros.float()) * scales
+    scales_and_zeros = torch.stack((scales, zeros), dim=2).transpose(0, 1).contiguous().to(weights.scales.dtype)
+    return lambda x: torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
 
 
 def copies_for(nbytes: int, device: str) -> int:
@@ -102,7 +121,7 @@ def measure(shapes: dict, widths: list[int], with_configs: bool, device: str) ->
     bandwidth = read_bandwidth(device)
     print(f"read bandwidth {bandwidth / 1e9:.0f} GB/s (torch.sum over a large buffer)")
     num_sms = kernels.sm_count(torch.device(device))
-    rows, config_rows = [], []
+    rows, config_rows, peer_rows = [], [], []
     for name, (n, k) in shapes.items():
         for bits, group_size in ((8, k), (4, 128)):
             first = make_weights(n, k, bits, group_size, device, dtype, seed=0)
@@ -110,6 +129,12 @@ def measure(shapes: dict, widths: list[int], with_configs: bool, device: str) ->
                                    for i in range(1, copies_for(first.packed_bytes, device))]
             # The packed weights are smaller than the bf16 ones: their copies hold enough bf16 copies.
             dense_copies = [w.dense for w in op_copies[:copies_for(first.dense.numel() * 2, device)]]
+            peers = None
+            if device == "cuda":
+                try:
+                    peers = [aten_peer(w, bits, group_size) for w in op_copies]
+                except (RuntimeError, NotImplementedError) as err:  # not in this torch, or not for CUDA
+                    print(f"torch's int{bits} kernel: not available here ({str(err).splitlines()[0][:100]})")
             for m in widths:
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 args = (first.qweight, first.scales, first.zeros, None, bits, group_size)
@@ -120,6 +145,13 @@ def measure(shapes: dict, widths: list[int], with_configs: bool, device: str) ->
                                                                             group_size) for w in op_copies], device)
                 floor_ms = (first.packed_bytes + x.element_size() * m * (n + k)) / bandwidth * 1e3
                 rows.append((name, f"int{bits}", m, error, mm, op, floor_ms))
+                if peers is not None:
+                    try:
+                        peer_error = relative_error(peers[0](x), ref)
+                        peer_ms = time_ms([lambda p=p: p(x) for p in peers], device)
+                        peer_rows.append((name, f"int{bits}", m, peer_error, peer_ms, op, floor_ms))
+                    except (RuntimeError, NotImplementedError) as err:
+                        print(f"torch's int{bits} kernel at M={m}: {str(err).splitlines()[0][:100]}")
                 if with_configs and m <= kernels.SMALL_M_MAX:
                     for config in kernels.small_m_candidates(m, n, k, bits, num_sms):
                         out = kernels.launch_small_m(x, *args[:4], bits, group_size, config)
@@ -133,6 +165,11 @@ def measure(shapes: dict, widths: list[int], with_configs: bool, device: str) ->
     for name, bits, m, error, mm, op, floor_ms in rows:
         print(f"{name:>13} {bits:>5} {m:>5} {error:8.1e} {mm:8.4f} {op:8.4f} {floor_ms:8.4f} "
               f"{op / floor_ms:8.2f} {op / mm:6.2f}")
+    if peer_rows:
+        print("\ntorch's own weight-only kernels on the same weights (a peer)")
+        print(f"{'layer':>13} {'bits':>5} {'M':>5} {'rel err':>8} {'torch ms':>8} {'/floor':>7} {'op/torch':>8}")
+        for name, bits, m, error, ms, op, floor_ms in peer_rows:
+            print(f"{name:>13} {bits:>5} {m:>5} {error:8.1e} {ms:8.4f} {ms / floor_ms:7.2f} {op / ms:8.2f}")
     if config_rows:
         print("\nsmall-M launch configs (the first of each group is the default)")
         print(f"{'layer':>13} {'bits':>5} {'M':>5} {'config':>34} {'rel err':>8} {'ms':>8} {'/floor':>7}")
