@@ -9,13 +9,16 @@ import threading
 import time
 
 import pytest
+import torch
 
 from conftest import assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch, stop_at_token
+from pt2serve.contract import SCRATCH_CELL
 from pt2serve.model.presets import toy_greedy_continuation
+from pt2serve.runtime.artifact import load_artifact
 from pt2serve.runtime.engine import describe_load, open_runner
-from pt2serve.runtime.executor import ExecutorConfig
+from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.request import FinishReason
-from pt2serve.runtime.runner import RunnerConfig
+from pt2serve.runtime.runner import Runner, RunnerConfig
 from pt2serve.runtime.sampling import SamplingParams
 
 CELLS = ExecutorConfig(num_cells=4097)
@@ -336,3 +339,24 @@ def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop(tiny_run
     assert stopped.stats.completion_tokens == last
     assert stopped.text == text[:-2]
     assert stopped.finish_reason is FinishReason.STOP
+
+
+def test_the_widest_step_run_at_start_touches_no_real_cell(toy_artifact, monkeypatch):
+    """The step a runner runs at start to hold its widest step's memory (on by default on CUDA) is its token
+    budget with every decode sampled; it writes only the scratch cell, and the runner then serves the designed
+    tokens."""
+    steps = []
+    original = Executor.step
+    monkeypatch.setattr(Executor, "step", lambda self, chunks: steps.append(chunks) or original(self, chunks))
+    executor = Executor(load_artifact(toy_artifact), ExecutorConfig(num_cells=512))
+    runner = Runner(executor, None, RunnerConfig(token_budget=96, max_decode_sequences=40, reserve_widest_step=True))
+    try:
+        (chunks,) = steps
+        assert sum(len(c.tokens) for c in chunks) == 96 and sum(c.is_sampled for c in chunks) == 40
+        pools = torch.stack(executor.pools)  # [2 * layers, cells, kv heads, head dim]
+        assert pools[:, SCRATCH_CELL].abs().sum() > 0 and not pools[:, SCRATCH_CELL + 1:].any()
+        assert executor.allocator.num_used == 0
+        prompt = [5, 9, 11]
+        assert runner.generate(prompt, max_new_tokens=6).token_ids == toy_greedy_continuation(prompt, 6)
+    finally:
+        runner.close()

@@ -205,18 +205,6 @@ def test_widest_steps_stay_within_compiled_bounds(toy_artifact):
             os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = old
 
 
-def test_the_widest_step_run_at_load_touches_no_real_cell(toy_artifact):
-    """The step run at load to hold the widest step's memory (on by default on CUDA) writes only the scratch
-    cell, leaves every cell free, and the executor then serves the designed tokens."""
-    executor = Executor(load_artifact(toy_artifact), ExecutorConfig(num_cells=512, reserve_widest_step=True))
-    pools = torch.stack(executor.pools)  # [2 * layers, cells, kv heads, head dim]
-    assert executor.allocator.num_used == 0
-    assert pools[:, SCRATCH_CELL].abs().sum() > 0, "the widest step did not run"
-    assert not pools[:, SCRATCH_CELL + 1:].any()
-    cells = executor.allocator.allocate(3)
-    assert executor.step([Chunk(cells, (5, 9, 11), 0, GREEDY)]).tokens == (toy_successor(11),)
-
-
 def test_the_width_schedule_reaches_every_method(toy_artifact):
     """The widths test_every_step_width runs reach every forward method of the artifact."""
     meta = read_metadata(toy_artifact)

@@ -54,8 +54,8 @@ def describe_load(runner: Runner) -> str:
         graphs = "CUDA graphs off, static methods run without them"
     else:
         graphs = "no CUDA graphs: every step runs forward_others"
-    if memory.widest_step_bytes:
-        graphs += f", the widest step's activations {_size(memory.widest_step_bytes)} held from the start"
+    if runner.widest_step_bytes:
+        graphs += f", the widest step's memory {_size(runner.widest_step_bytes)} held from the start"
     budget = runner.scheduler.config
     speculation = ""
     if runner.drafter is not None:

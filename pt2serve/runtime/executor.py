@@ -50,7 +50,7 @@ from pt2serve.runtime.verify import acceptance_inputs, emitted_tokens
 # On the CPU the pool shares host memory with everything else, and a CPU serves few tokens at a time: by
 # default it holds no more than this many tokens (or one max-context sequence, if longer).
 CPU_POOL_TOKENS = 65536
-_SCRATCH_ONLY = np.array([SCRATCH_CELL])  # the cells of a sequence that only ever touches the scratch cell
+_SCRATCH_ONLY = np.array([SCRATCH_CELL])  # the cells of a one-token sequence that touches only the scratch cell
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,6 @@ class ExecutorConfig:
     # Run the artifact's DFlash draft (--speculate dflash): allocate its cell pool and write its context with
     # every forward. The artifact must hold one (export --draft).
     draft: bool = False
-    # Run the widest step the artifact takes once at load, every row sampled, so that its activations are
-    # held by the caching allocator from the start: a step too wide for the memory fails at load with a
-    # message, not under traffic, and device memory stays flat while serving (a wider step than any before
-    # grew it by 96 MB in the middle of a soak). None: on CUDA, where the allocator keeps what a step used.
-    reserve_widest_step: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_cells is not None and self.num_cells < 2:
@@ -219,7 +214,6 @@ class MemoryReport:
     pool_sized_by: str  # what set the pool's size, in words
     pool_seconds: float  # sizing and allocating (zeroing) the pool
     capture_seconds: float
-    widest_step_bytes: int  # device memory the widest step reserved beyond the graphs' (0: not run, or the CPU)
     setup_seconds: float  # all of the executor's setup: the pool, the graphs and the rest
 
 
@@ -264,8 +258,6 @@ class Executor:
                 self._run_forward, idle_steps, self.pools, self.device, self.uses_cuda_graphs
             )
         graph_bytes = max(0, free_before - _free_device_bytes(self.device)) if self.uses_cuda_graphs else 0
-        reserve = self.device.type == "cuda" if config.reserve_widest_step is None else config.reserve_widest_step
-        widest_step_bytes = self._reserve_widest_step() if reserve else 0
         pool_bytes = self._pool_storage.numel() * self._pool_storage.element_size()
         self.memory = MemoryReport(
             weight_bytes=artifact.report.weight_bytes,
@@ -275,19 +267,22 @@ class Executor:
             pool_sized_by=sized_by,
             pool_seconds=pool_seconds,
             capture_seconds=capture_seconds,
-            widest_step_bytes=widest_step_bytes,
             setup_seconds=time.perf_counter() - setup_started,
         )
 
-    def _reserve_widest_step(self) -> int:
-        """Run a step of max_step_tokens one-token sequences, each sampled with top-p (the sampler's widest
-        path), and return the device memory it left reserved. Every token writes and reads only the scratch
-        cell, as padding does: no real cell is touched."""
+    def reserve_step(self, num_tokens: int, num_sampled: int) -> int:
+        """Run a step of `num_tokens` tokens, `num_sampled` of them one-token sequences sampled with top-p (the
+        sampler's widest path), and return the device memory it left reserved (0 on the CPU). Its tokens write
+        and read only the scratch cell, as padding does: no real cell is touched. Run at load with a runner's
+        widest step, the caching allocator holds that step's memory from the start."""
         reserved_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         sampling = SamplingParams(temperature=1.0, top_p=0.5)
-        chunks = [Chunk(_SCRATCH_ONLY, (0,), 0, sampling, uniform=0.5)] * self.max_step_tokens
-        with _out_of_memory_explained(f"running the widest step ({self.max_step_tokens} tokens, all sampled)",
-                                      "lower --num-cells or --kv-memory-fraction"):
+        chunks = [Chunk(_SCRATCH_ONLY, (0,), 0, sampling, uniform=0.5)] * num_sampled
+        if num_tokens > num_sampled:
+            rest = num_tokens - num_sampled
+            chunks.append(Chunk(np.full(rest, SCRATCH_CELL), (0,) * rest, 0))
+        with _out_of_memory_explained(f"running the widest step ({num_tokens} tokens, {num_sampled} sampled)",
+                                      "lower --token-budget, --num-cells or --kv-memory-fraction"):
             self.step(chunks)
         if self.device.type != "cuda":
             return 0
