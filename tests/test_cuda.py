@@ -1,5 +1,6 @@
 """The GPU path, on a toy-greedy artifact exported for CUDA: captured graphs replay exactly what the methods
-compute, the runner serves the designed tokens through them (and without them with --no-cuda-graphs), the
+compute, the runner serves the designed tokens through them in fp32 and bf16 (and without them with
+--no-cuda-graphs), the
 KV pool is sized from free GPU memory, and an artifact built for another GPU architecture is refused.
 
 Every test here is marked `cuda`: skipped without a GPU, run on the GPU machine by
@@ -43,6 +44,16 @@ def cuda_artifact(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def bf16_artifact(tmp_path_factory):
+    """The serving dtype, with the matmul kernels tuned as for the 8B: its designed tokens hold in bf16."""
+    def options(path):
+        return ExportOptions(backend="cuda", output=path, preset="toy-greedy", dtype="bf16", forward_sizes=FORWARD_SIZES,
+                             max_context=TEST_MAX_CONTEXT, max_step_tokens=TEST_MAX_STEP_TOKENS, max_cells=MAX_CELLS)
+
+    return exported("toy-greedy-cuda-bf16", options, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def artifact(cuda_artifact):
     return load_artifact(cuda_artifact)
 
@@ -81,8 +92,10 @@ def test_graph_replay_equals_the_method_on_every_static_width(artifact):
             previous = replayed
 
 
-def test_runner_serves_designed_tokens_through_graphs(cuda_artifact):
-    runner = open_runner(cuda_artifact, executor_config=ExecutorConfig(num_cells=8192),
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_runner_serves_designed_tokens_through_graphs(dtype, request):
+    path = request.getfixturevalue("cuda_artifact" if dtype == "fp32" else "bf16_artifact")
+    runner = open_runner(path, executor_config=ExecutorConfig(num_cells=8192),
                          runner_config=RunnerConfig(token_budget=64))
     try:
         assert runner.executor.uses_cuda_graphs and runner.executor.forward_sizes == FORWARD_SIZES
