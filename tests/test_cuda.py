@@ -1,7 +1,7 @@
 """The GPU path, on a toy-greedy artifact exported for CUDA: captured graphs replay exactly what the methods
 compute, the runner serves the designed tokens through them in fp32 and bf16 (and without them with
---no-cuda-graphs), the
-KV pool is sized from free GPU memory, and an artifact built for another GPU architecture is refused.
+--no-cuda-graphs), the KV pool is sized from free GPU memory, and an artifact built for another GPU
+architecture is refused.
 
 Every test here is marked `cuda`: skipped without a GPU, run on the GPU machine by
 scripts/device/cuda_tests.sh (`pytest -m cuda tests/test_cuda.py`).
