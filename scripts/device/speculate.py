@@ -6,8 +6,9 @@ Usage: python scripts/device/speculate.py ARTIFACT.pt2 [--seconds S] [--num-draf
    k drafts (k = 3, 7, 15; greedy acceptance on the device included), over the time of a plain decode step.
 2. n-gram drafts: each sequence's prompt is the model's own greedy continuation of a random seed, PROMPT_TOKENS
    long, and it generates NEW_TOKENS more: the text the model writes itself, which repeats wherever its greedy
-   text loops (random weights loop soon; a block of text simply pasted four times is no such workload for them:
-   they do not continue the pattern, and every n-gram draft from it missed on the H200). Output tokens/s with
+   text loops (a small random model's loops soon; random weights of the 8B's size never repeat themselves, and
+   do not continue a pasted pattern either: on them this measures what speculation costs when it finds
+   nothing; the toy-greedy-8b preset has the 8B's cost and text that repeats). Output tokens/s with
    --speculate ngram against none, at batch 1 and 32, and the mean tokens a verifying step emitted.
 Prints one markdown table last. Parts that would run past --seconds are left out (the table says so).
 """
@@ -66,8 +67,8 @@ def verify_costs(executor: Executor, deadline: float) -> dict:
 def own_text_prompts(executor: Executor, batch: int, seed: int) -> list[list[int]]:
     """Each prompt: a random seed of 8 ids and the model's greedy continuation of it, PROMPT_TOKENS in all."""
     rng = random.Random(seed)
-    vocab = executor.artifact.metadata.vocab_size
-    seeds = [[rng.randrange(vocab) for _ in range(8)] for _ in range(batch)]
+    # Byte ids: toy-greedy-8b designs only those (the others embed to zero), any other model takes them too.
+    seeds = [[rng.randrange(256) for _ in range(8)] for _ in range(batch)]
     runner = Runner(executor, None, RunnerConfig())
     try:
         handles = [runner.submit(s, max_new_tokens=PROMPT_TOKENS - len(s), ignore_eos=True) for s in seeds]
