@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # GPU: every 8B check that shares one export, in one detached chain, longer than one device call allows.
 #   setsid nohup scripts/device/chain_8b.sh > /dev/null 2>&1 &     then poll:     scripts/device/chain_8b.sh --poll
-# It copies the repo to /tmp/chain/repo (later calls may rewrite the working tree under it), exports the
-# llama-3.1-8b preset once to /tmp/model.pt2 (matmul kernels tuned; if that export fails, once more without
-# tuning), then runs each step logged to /tmp/chain/NAME.log, the timed ones alone:
+# It copies the repo to /tmp/chain/repo (later calls may rewrite the working tree under it), exports PRESET
+# (llama-3.1-8b, or toy-greedy-8b: the same shapes and cost, with designed output) once to /tmp/model.pt2
+# (matmul kernels tuned; if that export fails, once more without tuning), then runs each step logged to
+# /tmp/chain/NAME.log, the timed ones alone:
 #   sweep       bench sweep of decode widths and two wide steps, then the kernel profile of T = 1, 32, 64
 #   matmuls     scripts/device/matmul_floor.py: a step's weight matmuls, cuBLAS vs the chosen kernels vs floor
 #   speculate   scripts/device/speculate.sh (verify cost for k = 3, 7, 15; n-gram against none)
 #   soak        scripts/device/soak_8b.sh (10 minutes; its server's load line gives launch to ready): with
 #               exports and tuning beside it (16 cores busy) its server answered too late and the soak failed
-#   width-check with PRESET=toy-greedy-8b (the 8B's shape, designed greedy output): scripts/device/graphs_check.py,
-#               every width's tokens against the designed ones with graphs on and off, in bf16 at the 8B's size
+#   width-check with PRESET=toy-greedy-8b: scripts/device/graphs_check.py, every width's tokens against the
+#               designed ones with graphs on and off, in bf16 at the 8B's size
 # then three untimed checks side by side (compiles on 16 cores, small models on the GPU):
 #   cuda-tests  the tests marked cuda and the kernels' tests compiled (scripts/device/cuda_tests.sh)
 #   tuned-small llama-3.2-1b exported in fp32 with tuned kernels: the method check
