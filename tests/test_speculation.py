@@ -298,7 +298,7 @@ class CountingDrafter:
 
 def run_in_flight(scheduler: Scheduler, num_steps: int, emitted=lambda chunk: None) -> None:
     """Plan each step while the last one is in flight, as the runner does; a verifying chunk emits
-    `emitted(chunk)` (None: its pending token's successor alone), every other sampled chunk emits 9."""
+    `emitted(chunk)` (None: the token 9 alone, every draft rejected), every other sampled chunk emits 9."""
     def commit(plan) -> None:
         tokens = tuple(9 if c.samples and not c.drafts else None for c in plan.chunks)
         scheduler.commit(plan, tokens, tuple((emitted(c) or (9,)) if c.drafts else None for c in plan.chunks))
@@ -331,7 +331,7 @@ def test_a_drafter_that_brings_nothing_is_asked_ever_less_often():
     scheduler = Scheduler(config, CellAllocator(512), drafter)
     request = Request(2, RequestSpec((1, 2, 3), 200, num_draft_tokens=2), [1, 2, 3], RequestRandom(0))
     scheduler.add(request)
-    run_in_flight(scheduler, 30, emitted=lambda chunk: None)  # every draft rejected
+    run_in_flight(scheduler, 30)  # every draft rejected
     assert np.diff(drafter.asked_at).tolist()[:4] == [2, 3, 5, 9]
     assert request.draft_misses >= 4
     asked = len(drafter.asked_at)
