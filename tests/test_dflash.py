@@ -3,8 +3,6 @@ drafts: the ones the artifact proposes equal the eager model's, and speculation 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from commands import run_in_one_interpreter
 from conftest import TEST_MAX_CELLS, TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS, exported, random_prompts
 from pt2serve.contract import SCRATCH_CELL
 from pt2serve.errors import Pt2ServeError
@@ -133,32 +132,45 @@ def test_taps_are_the_hugging_face_hidden_states_of_the_listed_layers(eager):
 # -- export ---------------------------------------------------------------------------------------------------
 
 
-def _export_cli(tmp_path, draft: Path, preset: str = "tiny") -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pt2serve.cli", "export", "--use-offgraph-kv-cache", "--backend", "cpu", "--preset",
-         preset, "--draft", str(draft), "-o", str(tmp_path / "out.pt2"), "--max-context", "64"],
-        capture_output=True, text=True, timeout=300)
+MISFITS = {  # a draft that does not fit the tiny target: what it changes, what the export says
+    "hidden-size": ({"hidden_size": 32}, "the draft's hidden_size (32) differs from the target's (64)"),
+    "layer-ids": ({"target_layer_ids": [0, 2]}, "names layer 2, but the target has layers 0..1"),
+    "rope": ({"rope_theta": 1000000.0}, "the draft's rope (theta 1000000.0"),
+}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"hidden_size": 32}, "the draft's hidden_size (32) differs from the target's (64)"),
-    ({"target_layer_ids": [0, 2]}, "names layer 2, but the target has layers 0..1"),
-    ({"rope_theta": 1000000.0}, "the draft's rope (theta 1000000.0"),
-])
-def test_a_draft_that_does_not_fit_the_target_is_a_clear_export_error(tmp_path, overrides, message):
-    ids = overrides.pop("target_layer_ids", TAPS)
-    draft = write_random_draft(tmp_path / "draft", CONFIGS["tiny"], block_size=BLOCK, target_layer_ids=ids,
-                               **overrides)
-    done = _export_cli(tmp_path, draft)
-    assert done.returncode == 2
-    assert message in done.stderr and "Traceback" not in done.stderr
-    assert not (tmp_path / "out.pt2").exists()
+@pytest.fixture(scope="module")
+def misfit_exports(tmp_path_factory) -> dict[str, tuple[Path, tuple[int, str, str]]]:
+    """Each misfit's export through the CLI, all in one interpreter: its folder and (exit code, stdout, stderr)."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in MISFITS}
+    commands = []
+    for name, (changes, _) in MISFITS.items():
+        changes = dict(changes)
+        ids = changes.pop("target_layer_ids", TAPS)
+        draft = write_random_draft(folders[name] / "draft", CONFIGS["tiny"], block_size=BLOCK, target_layer_ids=ids,
+                                   **changes)
+        commands.append(["export", "--use-offgraph-kv-cache", "--backend", "cpu", "--preset", "tiny", "--draft",
+                         str(draft), "-o", str(folders[name] / "out.pt2"), "--max-context", "64"])
+    answers = run_in_one_interpreter(commands)
+    return {name: (folders[name], answer) for name, answer in zip(MISFITS, answers)}
+
+
+@pytest.mark.parametrize("misfit", list(MISFITS))
+def test_a_draft_that_does_not_fit_the_target_is_a_clear_export_error(misfit_exports, misfit):
+    folder, (code, _, stderr) = misfit_exports[misfit]
+    message = MISFITS[misfit][1]
+    assert code == 2
+    assert message in stderr and "Traceback" not in stderr
+    assert not (folder / "out.pt2").exists()
 
 
 # -- the artifact at run time ---------------------------------------------------------------------------------
 
 
 DRAFT_SIZES = (1, 2)
+# One static width: wide enough for a verify step of a whole block (speculation needs one that wide); the only
+# step these tests run on a static method is three sequences' decodes, every other runs on forward_others.
+FORWARD_SIZES = (8,)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +178,7 @@ def dflash_artifact(tmp_path_factory, draft_dir) -> Path:
     def options(path: Path) -> ExportOptions:
         return ExportOptions(backend="cpu", output=path, preset="tiny", dtype="fp32", max_context=TEST_MAX_CONTEXT,
                              max_step_tokens=TEST_MAX_STEP_TOKENS, max_cells=TEST_MAX_CELLS, jobs=2,
-                             forward_sizes=(1, 2, 4, 8), draft=draft_dir, draft_sizes=DRAFT_SIZES)
+                             forward_sizes=FORWARD_SIZES, draft=draft_dir, draft_sizes=DRAFT_SIZES)
 
     return exported("tiny-dflash", options, tmp_path_factory)
 

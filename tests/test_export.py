@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from commands import run_in_one_interpreter
 from conftest import TEST_MAX_CELLS, TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS
 from pt2serve.contract import (
     ACCEPT_DRAFTS,
@@ -472,23 +473,12 @@ def _bad_export_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
 
 @pytest.fixture(scope="module")
 def bad_export_results(tmp_path_factory):
-    """Every bad-input export, run concurrently (each is a fresh interpreter: imports dominate)."""
+    """Every bad-input export, one after another in one interpreter."""
     tmp = tmp_path_factory.mktemp("bad-export")
     cases = _bad_export_cases(tmp)
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    procs = {
-        name: subprocess.Popen([PT2SERVE, "export", *map(str, args)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)
-        for name, (args, _) in cases.items()
-    }
-    results = {}
-    for name, proc in procs.items():
-        try:
-            out, err = proc.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        results[name] = (proc.returncode, out, err, cases[name][1])
+    answers = run_in_one_interpreter([["export", *map(str, args)] for args, _ in cases.values()], env)
+    results = {name: (*answer, message) for (name, (_, message)), answer in zip(cases.items(), answers)}
     return tmp, results
 
 

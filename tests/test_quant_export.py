@@ -30,7 +30,9 @@ from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.runtime.step import Chunk, pack
 
 PT2SERVE = str(Path(sys.executable).with_name("pt2serve"))
-SIZES = (1, 4)  # a static width for decodes, one for short steps; forward_others for the rest
+# One static width (decodes pad into it), forward_others for the rest: on the CPU a quantized layer is the same
+# aten ops at every width, so more static widths would only cost compile time.
+SIZES = (4,)
 INT4 = dict(quantize="int4", group_size=32, quantize_lm_head=True, quantize_embedding=True)
 INT8 = dict(quantize="int8")
 
