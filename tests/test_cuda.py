@@ -34,23 +34,23 @@ MAX_CELLS = 1 << 22  # large enough that the pool is sized by free memory, not b
 POOL_CELLS = 1024
 
 
-@pytest.fixture(scope="module")
-def cuda_artifact(tmp_path_factory):
+def toy_greedy_for_cuda(dtype: str, tmp_path_factory):
     def options(path):
-        return ExportOptions(backend="cuda", output=path, preset="toy-greedy", dtype="fp32", forward_sizes=FORWARD_SIZES,
+        return ExportOptions(backend="cuda", output=path, preset="toy-greedy", dtype=dtype, forward_sizes=FORWARD_SIZES,
                              max_context=TEST_MAX_CONTEXT, max_step_tokens=TEST_MAX_STEP_TOKENS, max_cells=MAX_CELLS)
 
-    return exported("toy-greedy-cuda", options, tmp_path_factory)
+    return exported(f"toy-greedy-cuda-{dtype}", options, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def cuda_artifact(tmp_path_factory):
+    return toy_greedy_for_cuda("fp32", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def bf16_artifact(tmp_path_factory):
     """The serving dtype, with the matmul kernels tuned as for the 8B: its designed tokens hold in bf16."""
-    def options(path):
-        return ExportOptions(backend="cuda", output=path, preset="toy-greedy", dtype="bf16", forward_sizes=FORWARD_SIZES,
-                             max_context=TEST_MAX_CONTEXT, max_step_tokens=TEST_MAX_STEP_TOKENS, max_cells=MAX_CELLS)
-
-    return exported("toy-greedy-cuda-bf16", options, tmp_path_factory)
+    return toy_greedy_for_cuda("bf16", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
