@@ -10,9 +10,9 @@
 #   speculate   scripts/device/speculate.sh (verify cost for k = 3, 7, 15; n-gram against none)
 #   soak        scripts/device/soak_8b.sh (10 minutes; its server's load line gives launch to ready): with
 #               exports and tuning beside it (16 cores busy) its server answered too late and the soak failed
+# then the untimed checks side by side (compiles on 16 cores, small models on the GPU):
 #   width-check with PRESET=toy-greedy-8b: scripts/device/graphs_check.py, every width's tokens against the
 #               designed ones with graphs on and off, in bf16 at the 8B's size
-# then three untimed checks side by side (compiles on 16 cores, small models on the GPU):
 #   cuda-tests  the tests marked cuda and the kernels' tests compiled (scripts/device/cuda_tests.sh)
 #   tuned-small llama-3.2-1b exported in fp32 with tuned kernels: the method check
 #   dflash-export  scripts/device/dflash.sh EXPORT_ONLY=1 (qwen3-0.6b with a random draft)
@@ -84,7 +84,7 @@ run sweep sweep
 run matmuls timeout 180 python3 scripts/device/matmul_floor.py "$ARTIFACT" "$PRESET"
 RUN_LIMIT_S=120 run speculate scripts/device/speculate.sh
 run soak scripts/device/soak_8b.sh
-[ "$PRESET" = toy-greedy-8b ] && run width-check timeout 400 python3 scripts/device/graphs_check.py "$ARTIFACT" "$PRESET"
+[ "$PRESET" = toy-greedy-8b ] && run width-check timeout 400 python3 scripts/device/graphs_check.py "$ARTIFACT" "$PRESET" &
 run cuda-tests scripts/device/cuda_tests.sh &
 run tuned-small tuned_small &
 # ARTIFACT names the 8B here: the DFlash steps take their own export.
