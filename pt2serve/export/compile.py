@@ -18,6 +18,7 @@ import torch
 import torch._inductor
 
 from pt2serve.contract import ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED, DRAFT_CONTEXT
+from pt2serve.export import inductor_fixes
 from pt2serve.export.methods import (
     MethodSpec,
     trace_acceptor,
@@ -101,6 +102,7 @@ def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, li
         program, args = trace_acceptor(job.spec, model.config.vocab_size, job.device)
     else:
         program, args = trace_sampler(job.spec, model.config.vocab_size, job.device)
+    inductor_fixes.apply()
     with torch.no_grad():
         files = torch._inductor.aot_compile(program.module(), args, options=inductor_options())
     return job.spec.name, files
