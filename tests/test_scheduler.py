@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-
+import random
 import zlib
 
 import pytest
@@ -227,6 +227,88 @@ def add_request_with(scheduler: Scheduler, prompt: list[int], max_new: int = 4, 
     request = Request(next(_ids), RequestSpec(tuple(prompt), max_new, **spec), list(prompt), RequestRandom(0))
     scheduler.add(request)
     return request
+
+
+class MixedTraffic:
+    """The soak's mix on plain data, for a context of `context` tokens: long prompts with long outputs,
+    multi-turn sessions that extend their history, prompts sharing one prefix, short requests, and
+    cancellations, keeping up to 96 requests live."""
+
+    def __init__(self, scheduler: Scheduler, seed: int, context: int) -> None:
+        self.scheduler, self.rng, self.context = scheduler, random.Random(seed), context
+        self.shared = self.ids(64)
+        self.histories: dict[str, list[int]] = {}
+        self.live: dict[int, Request] = {}
+
+    def ids(self, count: int) -> list[int]:
+        return [self.rng.randrange(256) for _ in range(count)]
+
+    def arrive(self) -> None:
+        rng, context, session = self.rng, self.context, None
+        kind = rng.random()
+        if kind < 0.05:
+            prompt, max_new = self.ids(rng.randint(context // 4, context // 2)), context // 4
+        elif kind < 0.2:
+            session = f"s{rng.randrange(60)}"
+            prompt, max_new = self.histories.get(session, self.ids(rng.randint(4, 32))) + self.ids(8), 16
+            if len(prompt) + max_new >= context:
+                prompt = self.ids(8)
+        elif kind < 0.3:
+            prompt, max_new = self.shared + self.ids(rng.randint(1, 16)), 16
+        else:
+            prompt, max_new = self.ids(rng.randint(1, 48)), rng.choice((rng.randint(1, 48), 200))
+        request = add_request_with(self.scheduler, prompt, max_new, session_id=session)
+        self.live[request.id] = request
+
+    def step(self) -> None:
+        while len(self.live) < 96 and self.rng.random() < 0.5:
+            self.arrive()
+        if self.live and self.rng.random() < 0.02:
+            cancelled = self.rng.choice(list(self.live))
+            self.scheduler.finish(self.live.pop(cancelled).id, FinishReason.CANCELLED)
+
+    def commit(self, plan) -> None:
+        tokens = tuple(self.rng.randrange(256) if c.samples else None for c in plan.chunks)
+        for event in self.scheduler.commit(plan, tokens):
+            request = self.live.pop(event.request_id, None) if event.finish_reason else None
+            if request is not None and request.spec.session_id is not None:
+                self.histories[request.spec.session_id] = list(request.tokens)
+
+
+@pytest.mark.parametrize("seed", [11, 14])
+def test_mixed_traffic_on_a_pool_of_one_context_never_stalls(seed):
+    """A pool of one max-context sequence under the soak's mix, one step in flight as the runner keeps it:
+    whenever nothing is in flight and requests remain, the plan has work. A soak of the 8B stalled for good
+    here: a preempted latecomer first in the prefill order could take no one's cells, and admission stopped
+    at it, before the earlier prompts that could."""
+    scheduler = make_scheduler(num_cells=1025, budget=512, max_decode=512, min_chunk=32, max_sessions=32)
+    traffic, in_flight, step = MixedTraffic(scheduler, seed, context=1024), None, 0
+    while step < 4000 or in_flight is not None or scheduler.has_work():  # 4,000 steps of arrivals, then drain
+        if step < 4000:
+            traffic.step()
+        plan = scheduler.plan()
+        if in_flight is not None:
+            traffic.commit(in_flight)
+        elif scheduler.has_work():
+            assert plan.chunks, (f"stalled at step {step}: {scheduler.num_running} running, {scheduler.num_waiting} "
+                                 f"waiting, {scheduler.allocator.num_free} cells free")
+        in_flight = plan if plan.chunks else None
+        step += 1
+    assert scheduler.num_preemptions > 100 and scheduler.num_leaked_cells() == 0
+
+
+def test_twin_prompts_prefilled_in_one_step_keep_one_copy_of_their_cells():
+    """Two requests with one prompt, computed in the same step, each write their own cells; once cached, the
+    second takes the first's and frees its copies. Kept, such copies double a request's footprint with cells
+    that its cached path protects from eviction and no preemption frees."""
+    scheduler = make_scheduler(budget=256)
+    first, second = add_request(scheduler, 100), add_request(scheduler, 100)
+    plan, _ = run_step(scheduler)
+    assert [c.num_tokens for c in plan.chunks] == [100, 100]
+    assert scheduler.allocator.num_used == 100
+    assert (second.cells.cells == first.cells.cells).all()
+    run_to_end(scheduler)
+    assert_pool_returns_to_empty(scheduler)
 
 
 # -- prefix reuse ---------------------------------------------------------------------------------------------

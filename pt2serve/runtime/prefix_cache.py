@@ -11,7 +11,9 @@ cells outlive the requests that computed them; a cell in the tree is never writt
 only cells it allocated, at positions past what it reused). Only cells whose tokens are known are inserted.
 
 Holders: a request that reused a path or added its cells to one holds the path's end until it lets go;
-nodes on a held path are never evicted (that would free nothing: the request holds their cells too).
+nodes on a held path are never evicted (that would free nothing: the request holds their cells too; a
+request that computed positions the tree already had swaps its copies for the tree's cells, see
+Scheduler._cache_prompt).
 Pins: a session pins the path its last request left, for `pin_seconds`, at most `max_pins` sessions at a
 time (the oldest pin goes first). Eviction frees exactly the cells asked for, from the tail of the least
 recently used leaf nobody holds, leaf after leaf: unpinned leaves first, pinned ones only when those run out.
@@ -98,11 +100,12 @@ class PrefixCache:
         self.num_reused_tokens += depth
         return cells
 
-    def insert(self, holder: int, tokens: Sequence[int], cells: np.ndarray) -> None:
+    def insert(self, holder: int, tokens: Sequence[int], cells: np.ndarray) -> np.ndarray:
         """Cache `tokens` (cells[i] holds token i's K/V, written by a step already launched); `holder` holds
-        the path. Positions the tree already has keep its cells; the caller still owns its own references."""
+        the path. Positions the tree already has keep its cells; the caller still owns its own references.
+        Returns the path's cells, the tree's for each position (`cells` where the cache is off)."""
         if not self.enabled or not len(tokens):
-            return
+            return cells
         ids = np.asarray(tokens, dtype=np.int64)
         node, depth = self._descend(ids)
         if depth < len(ids):
@@ -114,6 +117,7 @@ class PrefixCache:
             node = child
         self._use(node)
         self._hold(holder, node)
+        return self._path_cells(node)
 
     def pin(self, session: str, holder: int) -> None:
         """Pin the path `holder` holds under `session` (replacing the session's older pin)."""

@@ -229,6 +229,7 @@ class Scheduler:
     def _schedule_prefills(self, scheduled: dict[int, ScheduledChunk], budget: int) -> None:
         prefilling = [r for r in self._running if r not in scheduled and not self.requests[r].is_decoding]
         order = sorted(prefilling + list(self._waiting), key=lambda r: _prefill_priority(self.requests[r]))
+        admitting = True
         for request_id in order:
             if budget <= 0:
                 break
@@ -236,6 +237,8 @@ class Scheduler:
             if request is None or request_id in scheduled or request.num_unresolved:
                 continue  # (a preempted request waits for its in-flight sample before it is recomputed)
             if request.status is RequestStatus.WAITING:
+                if not admitting:
+                    continue
                 self._admit(request)
             count = min(request.num_pending, budget)
             if count < request.num_pending and count < self.config.min_prefill_chunk and scheduled:
@@ -243,7 +246,12 @@ class Scheduler:
             if not self._allocate(request, count, scheduled):
                 if request.num_computed == 0 and request.cells.length == 0:
                     self._unadmit(request)
-                break  # the pool is full: stop admitting
+                # The pool is full: admit no one after it (first come, first served), but let the prompts
+                # already running go on. An earlier arrival among them can take a later one's cells; stopping
+                # here instead, behind a preempted latecomer that can take no one's, left every running
+                # request stuck for good once none of them could decode.
+                admitting = False
+                continue
             scheduled[request_id] = self._chunk(request, count)
             request.last_prefill_step = self.step
             budget -= count
@@ -351,9 +359,7 @@ class Scheduler:
         for index, (chunk, token) in enumerate(zip(plan.chunks, tokens)):
             request = self.requests.get(chunk.request_id)
             if request is not None and chunk.start < request.num_prompt:
-                # Its prompt's cells so far are written: later prompts that share them start from them.
-                computed = min(request.cells.length, request.num_prompt)
-                self.prefix_cache.insert(request.id, request.tokens[:computed], request.cells.cells[:computed])
+                self._cache_prompt(request)
             emitted = verified[index] if verified else None
             if request is None or (token is None and emitted is None):
                 continue  # finished since (its later work, if any, is simply dropped) or nothing sampled
@@ -370,6 +376,23 @@ class Scheduler:
                     self.finish(request.id, reason)
                     break
         return events
+
+    def _cache_prompt(self, request: Request) -> None:
+        """Its prompt's cells so far are written: cache them, so later prompts that share them start from them.
+        Where the cache already had a position (another request computed the same prefix first), the request
+        takes the cache's cell and frees its copy. A copy kept would double the request's footprint with
+        cells that its held path protects from eviction and no preemption frees: a long prompt computed
+        beside its twin could fill the pool and leave every request waiting for good."""
+        computed = min(request.cells.length, request.num_prompt)
+        own = request.cells.cells[:computed]
+        cached = self.prefix_cache.insert(request.id, request.tokens[:computed], own)
+        copies = np.flatnonzero(cached != own)
+        if len(copies):
+            # Stream order keeps this safe: a step in flight that still reads or writes a copy runs before any
+            # later step that writes the freed cell for someone else.
+            self.allocator.share(cached[copies])
+            self.allocator.free(own[copies].copy())
+            own[copies] = cached[copies]
 
     def _resolve_drafts(self, request: Request, chunk: ScheduledChunk, num_accepted: int) -> None:
         """The accepted drafts' cells hold their tokens' K/V: count them computed; free the rejected ones' cells."""
