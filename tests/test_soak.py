@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import httpx
 
 from pt2serve.soak.calls import Target, post, via_openai
 from pt2serve.soak.oracle import Ask, Oracle
+from pt2serve.soak.traffic import Shape, Traffic
 from servers import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,3 +85,17 @@ def test_a_request_without_an_answer_in_time_is_a_problem_in_the_report_not_a_cr
     assert waited.status is None and waited.problem == "ReadTimeout: no answer in time", waited
     left = asyncio.run(ask(0.1))
     assert left.left_early and left.problem is None, left
+
+
+def test_a_request_the_server_holds_forever_ends_its_scenario_as_a_problem():
+    """A stream kept alive by keep-alive comments never trips the client's read timeout (a soak of the 8B
+    waited on one for good): the scenario's own bound ends it, as a problem in the report."""
+
+    async def held_forever(rng, kind):
+        await asyncio.sleep(3600)
+
+    target = Target("http://soak.test", "m", None, None, Oracle(toy_greedy=False))
+    traffic = Traffic(target, Shape(64, False, [1, 2]), burst_size=4, session_prefix="s", scenario_timeout_s=0.2)
+    traffic._scenarios = {"long": (1, held_forever)}
+    [outcome] = asyncio.run(traffic.run_one(random.Random(0)))
+    assert outcome.kind == "long" and outcome.status is None and "not answered within" in outcome.problem

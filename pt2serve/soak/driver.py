@@ -41,7 +41,8 @@ async def _run(options: SoakOptions) -> SoakReport:
         rng = random.Random(options.seed)
         shape = Shape(max_context, has_tokenizer, [rng.randrange(256) for _ in range(min(64, max_context // 4))])
         target = Target(root, model, http, client, Oracle(options.toy_greedy))
-        traffic = Traffic(target, shape, options.burst_size, session_prefix=f"soak-{options.seed}-{time.time_ns()}")
+        traffic = Traffic(target, shape, options.burst_size, session_prefix=f"soak-{options.seed}-{time.time_ns()}",
+                          scenario_timeout_s=options.scenario_timeout_s)
         before = await read_metrics(watch_http, root)
 
         stop = asyncio.Event()

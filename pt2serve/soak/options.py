@@ -17,7 +17,8 @@ class SoakOptions:
     api_key: str | None = None
     toy_greedy: bool = False  # the server serves toy-greedy: greedy requests must return their designed ids
     warmup_s: float = 5.0  # memory baselines are read after this much traffic
-    request_timeout_s: float = 120.0
+    request_timeout_s: float = 120.0  # the client's wait for each read
+    scenario_timeout_s: float = 300.0  # a scenario's whole time (a kept-alive stream can outlast any read timeout)
     drain_timeout_s: float = 60.0  # after the traffic: how long the server may take to go idle
     health_interval_s: float = 0.25
     max_health_latency_s: float = 5.0  # a /health slower than this counts as not answered

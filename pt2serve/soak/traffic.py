@@ -44,10 +44,14 @@ class Shape:
 
 
 class Traffic:
-    def __init__(self, target: Target, shape: Shape, burst_size: int, session_prefix: str) -> None:
+    def __init__(self, target: Target, shape: Shape, burst_size: int, session_prefix: str,
+                 scenario_timeout_s: float = 300.0) -> None:
         self.target = target
         self.shape = shape
         self.burst_size = burst_size
+        # A stream the server keeps alive (keep-alive comments) never trips the client's read timeout: a
+        # request the server holds forever must still end its scenario, as a problem.
+        self.scenario_timeout_s = scenario_timeout_s
         self._session_prefix = session_prefix  # session ids: PREFIX-1, PREFIX-2, ...
         self._num_sessions = 0
         self._bad: list[tuple[str, dict | bytes, int, str | None]] | None = None
@@ -64,7 +68,10 @@ class Traffic:
     async def run_one(self, rng: random.Random) -> list[Outcome]:
         names = list(self._scenarios)
         name = rng.choices(names, weights=[self._scenarios[n][0] for n in names])[0]
-        outcome = await self._scenarios[name][1](rng, name)
+        try:
+            outcome = await asyncio.wait_for(self._scenarios[name][1](rng, name), self.scenario_timeout_s)
+        except asyncio.TimeoutError:  # (leaving closes its connections: the server may cancel the requests)
+            return [Outcome(name, None, f"not answered within {self.scenario_timeout_s:.0f} s")]
         return outcome if isinstance(outcome, list) else [outcome]
 
     # -- what to ask -------------------------------------------------------------------------------------------
