@@ -6,11 +6,14 @@ One rule drives it: each request's computed tokens catch up with its known token
   2. prefill: the rest of the token budget goes to pending prompts, each taking a chunk: preempted requests
      first, oldest first, then the others least recently served first, so no prompt starves.
 Cells are allocated as tokens are scheduled. Every request starts from the longest cached prefix of its
-tokens (prefix_cache.py); the cells of known tokens go into the cache as prompts are computed and when a
-request ends or is preempted. When the pool runs dry the cache frees exactly the cells missing, least
-recently used first, and only then is a request that arrived later than the one asking preempted (the
-latest first; recomputed later). Arrival order is priority: the oldest request can always make progress,
-and neither a new arrival nor a stream of them can push an older request out of the pool for good.
+tokens (prefix_cache.py); the cells of known tokens go into the cache as prompts are computed (positions
+the cache already had are taken from it, the request's own copies freed) and when a request ends or is
+preempted. When the pool runs dry the cache frees exactly the cells missing, least recently used first,
+and only then is a request that arrived later than the one asking preempted (the latest first; recomputed
+later). Arrival order is priority: the oldest request can always make progress, and neither a new arrival
+nor a stream of them can push an older request out of the pool for good. A prompt that cannot get its
+cells ends the step's admissions, not the running prompts' turns: the oldest of those may need its turn to
+take a later one's cells.
 
 `plan()` returns a StepPlan of plain data; `commit(plan, tokens)` applies the executor's output. A plan
 may be made while the previous one still runs (one step in flight): scheduling advances num_computed at
