@@ -27,7 +27,7 @@ def main(
     max_queued: Optional[int] = typer.Option(None, help="The server's --max-queued: bursts go past it and must "
                                              "get 429s."),
     api_key: Optional[str] = typer.Option(None, envvar="PT2SERVE_API_KEY", help="Sent as a bearer token."),
-    toy_greedy: bool = typer.Option(False, "--toy-greedy", help="The server serves the toy-greedy preset: greedy "
+    toy_greedy: bool = typer.Option(False, "--toy-greedy", help="The server serves toy-greedy or toy-greedy-8b: greedy "
                                     "requests must return exactly their designed tokens and text."),
     warmup: float = typer.Option(5.0, help="Seconds of traffic before the memory baselines are read."),
     max_rss_growth_mb: float = typer.Option(256.0, help="Bound on host RSS growth over its post-warm-up level."),

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import httpx
 
 from pt2serve.soak.calls import Target, post, via_openai
-from pt2serve.soak.oracle import Ask, Oracle
+from pt2serve.model.presets import toy_greedy_continuation
+from pt2serve.soak.oracle import Ask, Got, Oracle
 from pt2serve.soak.traffic import Shape, Traffic
 from servers import ServeProcess
 
@@ -99,3 +100,16 @@ def test_a_request_the_server_holds_forever_ends_its_scenario_as_a_problem():
     traffic._scenarios = {"long": (1, held_forever)}
     [outcome] = asyncio.run(traffic.run_one(random.Random(0)))
     assert outcome.kind == "long" and outcome.status is None and "not answered within" in outcome.problem
+
+
+def test_on_toy_greedy_8b_greedy_answers_are_checked_by_their_ids():
+    """toy-greedy-8b has toy-greedy's design and no tokenizer: its answers carry ids and empty text, and no
+    stop string can match."""
+    oracle = Oracle(toy_greedy=True, has_tokenizer=False)
+    designed = toy_greedy_continuation([1, 2, 3], 4)
+    ask = Ask([1, 2, 3], 4, stop=(" ",))
+    assert oracle.problem(ask, Got("", "length", 4, token_ids=designed)) is None
+    assert "differ from the designed" in oracle.problem(ask, Got("", "length", 4, token_ids=designed[:3] + [0]))
+    stopped = Ask([1, 2, 3], 4, stop_token_ids=(designed[1],))
+    assert oracle.problem(stopped, Got("", "stop", 2, token_ids=designed[:2])) is None
+    assert oracle.problem(stopped, Got("", "length", 4, token_ids=designed)) is not None

@@ -6,7 +6,8 @@ per token and ends with [DONE]; no stop string in the text.
 toy-greedy (greedy output designed, see pt2serve.model.presets): a greedy request returns exactly its
 designed ids, cut after the first stop token id or once the text holds a stop string, and its text is
 their decode up to that stop string. The stop strings the soak asks for there have no U+FFFD, which can
-stand for an unfinished character that later tokens complete.
+stand for an unfinished character that later tokens complete. toy-greedy-8b has the same design and no
+tokenizer: its prompts are token ids, its text is empty and no stop string can match.
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ class Expected:
 
 
 class Oracle:
-    def __init__(self, toy_greedy: bool) -> None:
+    def __init__(self, toy_greedy: bool, has_tokenizer: bool = True) -> None:
         self._designed = None
+        self.tokenizer = None  # the server's byte tokenizer, on toy-greedy; None: the server has none
         if toy_greedy:  # imported only here: the model code pulls in torch
             from pt2serve.model.presets import byte_tokenizer_files, toy_greedy_continuation
             from pt2serve.tokenizer import Tokenizer
 
-            self.tokenizer = Tokenizer(byte_tokenizer_files())
+            self.tokenizer = Tokenizer(byte_tokenizer_files()) if has_tokenizer else None
             self._designed = toy_greedy_continuation
 
     @property
@@ -92,6 +94,8 @@ class Oracle:
             if token in ask.stop_token_ids:
                 ids, finish = ids[: i + 1], "stop"
                 break
+        if self.tokenizer is None:
+            return Expected(ids, "", finish)
         for count in range(1, len(ids) + 1) if ask.stop else ():
             text = self.tokenizer.decode(ids[:count])
             cuts = [text.find(stop) for stop in ask.stop if stop in text]
