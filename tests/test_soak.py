@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import httpx
 
-from pt2serve.soak.calls import Target, post, via_openai
 from pt2serve.model.presets import toy_greedy_continuation
+from pt2serve.soak.calls import Target, post, via_openai
 from pt2serve.soak.oracle import Ask, Got, Oracle
 from pt2serve.soak.traffic import Shape, Traffic
 from servers import ServeProcess

@@ -45,7 +45,7 @@ class Shape:
 
 class Traffic:
     def __init__(self, target: Target, shape: Shape, burst_size: int, session_prefix: str,
-                 scenario_timeout_s: float = 300.0) -> None:
+                 scenario_timeout_s: float) -> None:
         self.target = target
         self.shape = shape
         self.burst_size = burst_size
