@@ -18,7 +18,16 @@ pytest.importorskip("triton")
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from fresh_process import run_without_interpreter  # noqa: E402
-from pt2serve.export.linear_tuning import MARGIN, MatmulShape, Timing, describe, model_matmuls  # noqa: E402
+from pt2serve.export.linear_tuning import (  # noqa: E402
+    MARGIN,
+    MAX_COPIES,
+    ROTATION_BYTES,
+    MatmulShape,
+    Timing,
+    describe,
+    model_matmuls,
+    rotation_copies,
+)
 from pt2serve.kernels.linear_choice import (  # noqa: E402
     LaunchConfig,
     LinearChoices,
@@ -122,6 +131,15 @@ def test_model_matmuls_lists_each_shape_with_its_calls_per_step():
     for shape, count in expected.items():  # o_proj and down_proj may share a shape
         merged[shape] = merged.get(shape, 0) + count
     assert calls == merged
+
+
+def test_a_timed_pass_reads_the_rotation_bytes_from_a_bounded_number_of_copies():
+    # An 8B's weights need a few copies to read ROTATION_BYTES from DRAM; the tiny preset's 8 KB weights would
+    # need 32,768, and a graph of that many launches per config made its tuning outlast the 8B's.
+    assert rotation_copies(ROTATION_BYTES) == 1
+    assert rotation_copies(28672 * 4096 * 2) == 2  # the 8B's gate_up projection in bf16
+    assert rotation_copies(ROTATION_BYTES // MAX_COPIES) == MAX_COPIES
+    assert rotation_copies(64 * 64 * 2) == MAX_COPIES
 
 
 def test_a_config_is_chosen_unless_cublas_wins_past_the_noise():

@@ -11,8 +11,10 @@ tuned at load).
 
 How a time is taken: a step reads each weight once from DRAM, so a kernel timed in a loop over one weight
 would be served partly from L2 (50 MB on an H200). Each measurement captures calls over enough copies of
-the weight that one pass reads ROTATION_BYTES, replays that CUDA graph, and divides by the number of
-copies: back to back in a graph, as the methods run them, with no launch cost between calls.
+the weight that one pass reads ROTATION_BYTES (at most MAX_COPIES: a weight under 1 MB belongs to a model
+whose weights L2 holds anyway, and a graph of tens of thousands of launches per config took longer to
+capture than the tuning of an 8B), replays that CUDA graph, and divides by the number of copies: back to
+back in a graph, as the methods run them, with no launch cost between calls.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pt2serve.model.model import Embedding, Linear, Transformer
 from pt2serve.model.quant import QuantizedEmbedding, QuantizedLinear
 
 ROTATION_BYTES = 256 * 2**20  # several times the L2
+MAX_COPIES = 256
 REPLAYS = 7
 # Timings of one weight closer than this fraction are noise (between runs they came out either way).
 MARGIN = 0.02
@@ -140,9 +143,13 @@ def tune(model: Transformer, widths: tuple[int, ...], show_progress: bool = True
 
 
 def _rotation(shape: MatmulShape, device, dtype) -> list[torch.Tensor]:
-    nbytes = shape.rows * shape.cols * dtype.itemsize
-    copies = max(1, -(-ROTATION_BYTES // nbytes))
+    copies = rotation_copies(shape.rows * shape.cols * dtype.itemsize)
     return [torch.randn(shape.rows, shape.cols, device=device, dtype=dtype) * 0.02 for _ in range(copies)]
+
+
+def rotation_copies(nbytes: int) -> int:
+    """How many copies of a weight of `nbytes` one timed pass runs over."""
+    return min(MAX_COPIES, max(1, -(-ROTATION_BYTES // nbytes)))
 
 
 def _time_shape(shape: MatmulShape, width: int, weights: list[torch.Tensor], device, dtype) -> Timing:
@@ -184,8 +191,7 @@ def _quantized_rotation(shape: MatmulShape, device, dtype) -> list[tuple]:
     fmt = shape.quant
     num_groups = -(-shape.cols // fmt.group_size)
     nbytes = shape.rows * (shape.cols * fmt.bits // 8 + num_groups * (dtype.itemsize + fmt.has_zeros))
-    copies = max(1, -(-ROTATION_BYTES // nbytes))
-    return [_random_packed(shape, num_groups, device, dtype) for _ in range(copies)]
+    return [_random_packed(shape, num_groups, device, dtype) for _ in range(rotation_copies(nbytes))]
 
 
 def _random_packed(shape: MatmulShape, num_groups: int, device, dtype) -> tuple:

@@ -16,19 +16,25 @@
 #   cuda-tests  the tests marked cuda and the kernels' tests compiled (scripts/device/cuda_tests.sh)
 #   tuned-small llama-3.2-1b exported in fp32 with tuned kernels: the method check
 #   dflash-export  scripts/device/dflash.sh EXPORT_ONLY=1 (qwen3-0.6b with a random draft)
+#   quant-toy   toy-greedy int8 / int4: the method and width checks (quant_8b.sh's step 2)
 # and last, alone again:
 #   dflash      scripts/device/dflash.sh on that export: tokens/s against the oracle's accepted length
-#   quant-kernels  the quantized kernels' configs timed on the 8B shapes (quant_kernels.py), then their tests
-#               compiled (quant_8b.sh's step 1); the int8/int4 exports (quant_8b.sh) need a window of their own
-# About 28 minutes of device time; SKIP="step ..." leaves steps out (e.g. SKIP="tuned-small quant-kernels").
+#   quant-kernels  the quantized kernels' tests compiled, then their configs timed on the 8B shapes
+#               (quant_8b.sh's step 1)
+#   quant-8b    llama-3.1-8b exported bf16, int8 and int4, swept and compared (quant_8b.sh's steps 3 and 4;
+#               about 15 minutes)
+# Everything runs longer than one session's device time: SKIP="step ..." leaves steps out, e.g.
+# SKIP="quant-toy quant-kernels quant-8b" for the 8B's own checks, or SKIP="export sweep matmuls speculate soak
+# width-check tuned-small" for DFlash and quantization (with export skipped, no step may need /tmp/model.pt2).
 # Serving needs the wheels in .whl/ (see serving_8b.sh). --poll prints each step's state and its log's tail and
 # packs /tmp/chain into $OUT/chain.tar.gz.
 set -uo pipefail
 CHAIN=/tmp/chain
-STEPS=(export sweep matmuls speculate soak width-check cuda-tests tuned-small dflash-export dflash quant-kernels)
+CHAIN_STEPS=(export sweep matmuls speculate soak width-check cuda-tests tuned-small dflash-export quant-toy dflash
+             quant-kernels quant-8b)
 
 if [ "${1:-}" = "--poll" ]; then
-  for step in "${STEPS[@]}"; do
+  for step in "${CHAIN_STEPS[@]}"; do
     state=$(cat "$CHAIN/$step.state" 2>/dev/null || echo waiting)
     echo "== $step: $state"
     [ "$state" = waiting ] || tail -${TAIL:-15} "$CHAIN/$step.log" 2>/dev/null
@@ -73,22 +79,20 @@ tuned_small() {  # the method check (every compiled method against the eager mod
     && timeout 180 python3 scripts/device/method_check.py /tmp/1b-fp32.pt2 llama-3.2-1b
 }
 
-quant_kernels() {
-  timeout 240 python3 scripts/device/quant_kernels.py --configs --widths 1,16,64
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py 2>&1 | tail -5
-}
-
 run export export_8b
-[ -f "$ARTIFACT" ] || exit 1
+[ -f "$ARTIFACT" ] || [[ " ${SKIP:-} " == *" export "* ]] || exit 1
 run sweep sweep
 run matmuls timeout 180 python3 scripts/device/matmul_floor.py "$ARTIFACT" "$PRESET"
 RUN_LIMIT_S=120 run speculate scripts/device/speculate.sh
 run soak scripts/device/soak_8b.sh
 [ "$PRESET" = toy-greedy-8b ] && run width-check timeout 400 python3 scripts/device/graphs_check.py "$ARTIFACT" "$PRESET" &
-run cuda-tests scripts/device/cuda_tests.sh &
+# Bounded: the step after waits for it, and once its tuning test ran until the session's device time was gone.
+run cuda-tests timeout 600 scripts/device/cuda_tests.sh &
 run tuned-small tuned_small &
 # ARTIFACT names the 8B here: the DFlash steps take their own export.
 ARTIFACT= EXPORT_ONLY=1 run dflash-export scripts/device/dflash.sh &
+STEPS=2 WORK=/tmp/quant run quant-toy scripts/device/quant_8b.sh &
 wait
 ARTIFACT= RUN_LIMIT_S=120 run dflash scripts/device/dflash.sh
-run quant-kernels quant_kernels
+STEPS=1 run quant-kernels scripts/device/quant_8b.sh
+PRESET=llama-3.1-8b STEPS="3 4" WORK=/tmp/quant run quant-8b scripts/device/quant_8b.sh

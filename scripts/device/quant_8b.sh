@@ -6,7 +6,8 @@
 #   2. toy-greedy exported with --quantize int8 and int4 (+ LM head and embedding): the method check (every
 #      compiled method against the eager quantized model) and the width check (graphs on/off, designed tokens)
 #   3. the llama-3.1-8b preset exported bf16, int8 and int4 (group 128; FORMATS picks), one after another (never in
-#      parallel: each export's workers hold the weights), with sizes and load times; EXPORT_FLAGS adds flags
+#      parallel: each export's workers hold the weights), with sizes and load times; EXPORT_FLAGS adds flags;
+#      the method check of those METHOD_CHECK names (bf16: the tuned bf16 kernels at the 8B's shapes)
 #   4. bench sweep at T=1,32,64,1024 on each, and bench --mode quality of int8 and int4 against bf16
 # The table comes last.
 set -uo pipefail
@@ -23,8 +24,8 @@ pt2serve() { python3 -m pt2serve.cli "$@"; }
 
 if step 1; then
 echo "== 1. kernels: their tests compiled for the GPU, then timed (every config at M = 1, 16, 64)"
-timeout 600 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py 2>&1 | tail -5
-timeout 600 python3 scripts/device/quant_kernels.py --configs --widths 1,16,64 2>&1 | tee "$OUT/kernels.txt"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py 2>&1 | tail -5
+timeout 300 python3 scripts/device/quant_kernels.py --configs --widths 1,16,64 2>&1 | tee "$OUT/kernels.txt"
 
 fi
 
@@ -60,6 +61,9 @@ started = time.perf_counter(); load_artifact('$WORK/$q.pt2'); torch.cuda.synchro
 print(f'{time.perf_counter() - started:.1f}')")
   printf "%s\t%s\t%s\t%s\n" "$q" "$(stat -c %s "$WORK/$q.pt2")" "$seconds" "$load" >> "$OUT/exports.tsv"
   pt2serve inspect "$WORK/$q.pt2" | grep -i "quantization\|weights\|matmul"
+  if [[ " ${METHOD_CHECK:-bf16} " == *" $q "* ]]; then
+    timeout 300 python3 scripts/device/method_check.py "$WORK/$q.pt2" "$PRESET" 2>&1 | tee "$OUT/$q-methods.txt"
+  fi
 done
 
 fi
