@@ -15,7 +15,7 @@
 #               designed ones with graphs on and off, in bf16 at the 8B's size
 #   cuda-tests  the tests marked cuda and the kernels' tests compiled (scripts/device/cuda_tests.sh)
 #   tuned-small llama-3.2-1b exported in fp32 with tuned kernels: the method check
-#   dflash-export  scripts/device/dflash.sh EXPORT_ONLY=1 (qwen3-0.6b with a random draft)
+#   dflash-export  scripts/device/dflash.sh EXPORT_ONLY=1: PRESET with a random draft of the published shape
 #   quant-toy   toy-greedy int8 / int4: the method and width checks (quant_8b.sh's step 2)
 # and last, alone again:
 #   dflash      scripts/device/dflash.sh on that export: tokens/s against the oracle's accepted length
