@@ -13,14 +13,14 @@
 # then the untimed checks side by side (compiles on 16 cores, small models on the GPU):
 #   width-check with PRESET=toy-greedy-8b: scripts/device/graphs_check.py, every width's tokens against the
 #               designed ones with graphs on and off, in bf16 at the 8B's size
-#   cuda-tests  the tests marked cuda and the kernels' tests compiled (scripts/device/cuda_tests.sh)
+#   cuda-tests  the tests marked cuda and the Triton kernels' tests compiled (scripts/device/cuda_tests.sh)
 #   tuned-small llama-3.2-1b exported in fp32 with tuned kernels: the method check
 #   dflash-export  scripts/device/dflash.sh EXPORT_ONLY=1: PRESET with a random draft of the published shape
 #   quant-toy   toy-greedy int8 / int4: the method and width checks (quant_8b.sh's step 2)
 # and last, alone again:
 #   dflash      scripts/device/dflash.sh on that export: tokens/s against the oracle's accepted length
-#   quant-kernels  the quantized kernels' tests compiled, then their configs timed on the 8B shapes
-#               (quant_8b.sh's step 1)
+#   quant-kernels  the quantized kernels' configs timed on the 8B shapes, and torch's own weight-only kernels
+#               beside them (quant_kernels.py; their tests run compiled among the cuda-tests)
 #   quant-8b    llama-3.1-8b exported bf16, int8 and int4, swept and compared (quant_8b.sh's steps 3 and 4;
 #               about 15 minutes)
 # Everything runs longer than one session's device time: SKIP="step ..." leaves steps out, e.g.
@@ -94,5 +94,5 @@ ARTIFACT= EXPORT_ONLY=1 run dflash-export scripts/device/dflash.sh &
 STEPS=2 WORK=/tmp/quant run quant-toy scripts/device/quant_8b.sh &
 wait
 ARTIFACT= RUN_LIMIT_S=120 run dflash scripts/device/dflash.sh
-STEPS=1 run quant-kernels scripts/device/quant_8b.sh
+run quant-kernels timeout 300 python3 scripts/device/quant_kernels.py --configs --widths 1,16,64
 PRESET=llama-3.1-8b STEPS="3 4" WORK=/tmp/quant run quant-8b scripts/device/quant_8b.sh

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU: the tests marked `cuda` (tests/test_cuda.py): graph replay against the methods on every static width,
 # the runner through graphs and without them, KV pool sizing from free GPU memory, the architecture check;
-# the export's matmul tuning on the GPU; then the small-M matmul and rope kernels' tests, compiled.
+# the export's matmul tuning on the GPU; then the small-M matmul, rope and quantized kernels' tests, compiled.
 # Run on the GPU machine from the repo root. Needs pytest: where it is not installed, set WHEELS=DIR to a
 # folder holding the pytest, pluggy, iniconfig and packaging wheels. Prints pytest's outcome table last.
 set -euo pipefail
@@ -20,6 +20,7 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 status=0
 python3 -m pytest -m cuda -p no:cacheprovider -rA ${TESTS:-tests/test_cuda.py tests/test_small_m_linear.py} || status=$?
 # The kernels' own tests, compiled for the GPU (without one they run in Triton's interpreter).
-python3 -m pytest -p no:cacheprovider -rA ${KERNEL_TESTS:-tests/test_small_m_linear.py tests/test_rope_store.py} \
+python3 -m pytest -p no:cacheprovider -rA ${KERNEL_TESTS:-tests/test_small_m_linear.py tests/test_rope_store.py
+  tests/test_quant_kernels.py} \
   || status=$?
 exit $status
