@@ -71,6 +71,12 @@ def test_a_foreign_libstdcxx_is_warned_about_recorded_and_refused(flagged_export
         load_artifact(path)
 
 
+def test_the_export_prints_no_compiler_notices(flagged_export):
+    # torch's own deprecations and Inductor's notes are nothing a user of export can act on.
+    _, proc = flagged_export
+    assert "Warning:" not in proc.stderr, proc.stderr
+
+
 def test_bf16_artifact_loads_and_runs(bf16_artifact):
     raw = read_metadata(bf16_artifact).raw
     assert raw["dtype"] == "bf16" and raw["cache"]["dtype"] == "bf16"

@@ -7,9 +7,11 @@ and compiles the methods it is handed. Weights are left out of every compiled me
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import multiprocessing
+import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Iterator
@@ -78,10 +80,29 @@ def _worker_model(
     return model
 
 
+# Notices torch prints while tracing and compiling that a user of export can do nothing about: a deprecation
+# inside torch's own pytree code, Inductor's note that it split a softmax reduction, and TF32 advice for fp32
+# graphs, which an fp32 export keeps exact on purpose.
+COMPILER_NOTICES = (
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    (UserWarning, r"\s*Online softmax is disabled on the fly"),
+    (UserWarning, r"TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled"),
+)
+
+
+@contextlib.contextmanager
+def _without_compiler_notices() -> Iterator[None]:
+    with warnings.catch_warnings():
+        for category, message in COMPILER_NOTICES:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
+
+
 def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[str, list]:
     """Trace and compile one method; returns (method name, AOTInductor files)."""
     try:
-        return _compile_method(job, model)
+        with _without_compiler_notices():
+            return _compile_method(job, model)
     except Exception as err:
         # Compiler exceptions do not always survive pickling back from a worker: send their text.
         raise RuntimeError(f"compiling {job.spec.name} failed: {type(err).__name__}: {err}") from None
