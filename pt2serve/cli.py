@@ -164,7 +164,7 @@ def inspect_command(
         ("methods", ", ".join(meta["methods"])),
         ("weights", f"{len(meta['weights'])} tensors"),
         ("quantization", describe_quantization_record(meta.get("quantization"))),
-        ("small-step matmuls", describe_linear_kernels(meta.get("linear_kernels"))),
+        ("small-step matmuls", describe_linear_kernels(meta.get("linear_kernels"), meta["backend"])),
         ("draft", describe_draft_record(meta.get("draft"))),
         ("tokenizer", "yes" if meta.get("tokenizer") else "no (token ids only)"),
         ("built with", f"torch {built['torch']}, cuda {built['cuda']}, {built.get('gpu_arch') or 'cpu'}"),
@@ -186,11 +186,11 @@ def describe_draft_record(record: dict | None) -> str:
             f"draft sizes {', '.join(map(str, record['sizes']))}")
 
 
-def describe_linear_kernels(record: dict | None) -> str:
+def describe_linear_kernels(record: dict | None, backend: str) -> str:
     """One line for `inspect`: how many timed float shapes took a Triton kernel instead of cuBLAS, how many
     quantized ones were tuned, and a step's matmuls untuned and tuned."""
     if record is None:
-        return "cuBLAS (not tuned)"
+        return "cuBLAS (not tuned)" if backend == "cuda" else "not tuned (tuning needs a GPU)"
     # Quantized timings name a default config as their baseline; records from before they were timed name none.
     dense = [t for t in record["timings"] if t.get("baseline", "cuBLAS") == "cuBLAS"]
     parts = []

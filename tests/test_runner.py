@@ -42,7 +42,7 @@ def test_load_report_says_how_steps_run(toy_runner, toy_artifact):
     line = describe_load(toy_runner)
     assert "KV pool 4.2 MB for 4,096 tokens (as asked)" in line and "every step runs forward_others" in line
     # Where the loading time went, part by part (the device scripts read this line).
-    assert re.search(r"^loaded in [\d.]+ s on cpu \(weights [\d.]+ s at [\d.]+ GB/s, methods [\d.]+ s beside them, "
+    assert re.search(r"^loaded in [\d.]+ s on cpu \(weights [\d.]+ s at [\d.]+ [GM]B/s, methods [\d.]+ s beside them, "
                      r"binding [\d.]+ s, KV pool [\d.]+ s, graph capture [\d.]+ s\)", line), line
     forced = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=64, use_static_methods=True))
     try:

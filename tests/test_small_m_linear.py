@@ -263,13 +263,15 @@ def test_inspect_sums_up_dense_and_quantized_choices():
     timings = [{"baseline": "cuBLAS", "chosen": True}, {"baseline": "cuBLAS", "chosen": False},
                {"baseline": "default gemv m1 n16 b128 w4 s1 k4", "chosen": True}]
     record = {"timings": timings, "step_matmuls_ms": {"1": {"untuned": 1.0, "tuned": 0.75}}}
-    assert describe_linear_kernels(record) == (
+    assert describe_linear_kernels(record, "cuda") == (
         "Triton kernel for 1 of 2 shape x width, quantized kernel config tuned for 1 shape x width; "
         "untuned -> tuned: M=1: 1.00 -> 0.75 ms")
     earlier = {"timings": [{"cublas_us": 3.0, "chosen": True}],  # before quantized weights were tuned
                "step_matmuls_ms": {"4": {"cublas": 2.0, "chosen": 1.5}}}
-    assert describe_linear_kernels(earlier) == (
+    assert describe_linear_kernels(earlier, "cuda") == (
         "Triton kernel for 1 of 1 shape x width; untuned -> tuned: M=4: 2.00 -> 1.50 ms")
+    assert describe_linear_kernels(None, "cuda") == "cuBLAS (not tuned)"
+    assert describe_linear_kernels(None, "cpu") == "not tuned (tuning needs a GPU)"
 
 
 
