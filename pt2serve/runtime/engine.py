@@ -81,8 +81,8 @@ def startup_parts(executor: Executor) -> dict[str, float]:
 def describe_startup(executor: Executor) -> str:
     """Where the loading time went, e.g. `weights 1.2 s at 13.4 GB/s, methods 1.5 s beside them, ...`."""
     parts = startup_parts(executor)
-    rate = executor.memory.weight_bytes / parts["weights"] if parts["weights"] else 0.0
-    rate = f"{rate / 1e9:.1f} GB/s" if rate >= 1e9 else f"{rate / 1e6:.1f} MB/s"  # small models load in MB/s
+    bytes_per_s = executor.memory.weight_bytes / parts["weights"] if parts["weights"] else 0.0
+    rate = f"{bytes_per_s / 1e9:.1f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"  # small models
     return (f"weights {parts['weights']:.2f} s at {rate}, methods {parts['methods']:.2f} s beside them, "
             f"binding {parts['binding']:.2f} s, KV pool {parts['KV pool']:.2f} s, "
             f"graph capture {parts['graph capture']:.2f} s")
