@@ -19,10 +19,10 @@
 #   quant-toy   toy-greedy int8 / int4: the method and width checks (quant_8b.sh's step 2)
 # and last, alone again:
 #   dflash      scripts/device/dflash.sh on that export: tokens/s against the oracle's accepted length
-#   quant-kernels  the quantized kernels' configs timed on the 8B shapes, and torch's own weight-only kernels
-#               beside them (quant_kernels.py; their tests run compiled among the cuda-tests)
 #   quant-8b    llama-3.1-8b exported bf16, int8 and int4, swept and compared (quant_8b.sh's steps 3 and 4;
 #               about 15 minutes)
+#   quant-kernels  the quantized kernels' configs timed on the 8B shapes, and torch's own weight-only kernels
+#               beside them (quant_kernels.py; their tests run compiled among the cuda-tests)
 # Everything runs longer than one session's device time: SKIP="step ..." leaves steps out, e.g.
 # SKIP="quant-toy quant-kernels quant-8b" for the 8B's own checks, or SKIP="export sweep matmuls speculate soak
 # width-check tuned-small" for DFlash and quantization (with export skipped, no step may need /tmp/model.pt2).
@@ -31,7 +31,7 @@
 set -uo pipefail
 CHAIN=/tmp/chain
 CHAIN_STEPS=(export sweep matmuls speculate soak width-check cuda-tests tuned-small dflash-export quant-toy dflash
-             quant-kernels quant-8b)
+             quant-8b quant-kernels)
 
 if [ "${1:-}" = "--poll" ]; then
   for step in "${CHAIN_STEPS[@]}"; do
@@ -94,5 +94,6 @@ ARTIFACT= EXPORT_ONLY=1 run dflash-export scripts/device/dflash.sh &
 STEPS=2 WORK=/tmp/quant run quant-toy scripts/device/quant_8b.sh &
 wait
 ARTIFACT= RUN_LIMIT_S=120 run dflash scripts/device/dflash.sh
-run quant-kernels timeout 300 python3 scripts/device/quant_kernels.py --configs --widths 1,16,64
+rm -f "$ARTIFACT" /tmp/dflash-*.pt2   # no step below reads them; three 8B exports (30 GB) need the disk (64 GB)
 PRESET=llama-3.1-8b STEPS="3 4" WORK=/tmp/quant run quant-8b scripts/device/quant_8b.sh
+run quant-kernels timeout 300 python3 scripts/device/quant_kernels.py --configs --widths 1,16,64
