@@ -9,7 +9,8 @@ Usage: python scripts/device/speculate.py ARTIFACT.pt2 [--seconds S] [--num-draf
    text loops (a small random model's loops soon; random weights of the 8B's size never repeat themselves, and
    do not continue a pasted pattern either: on them this measures what speculation costs when it finds
    nothing; the toy-greedy-8b preset has the 8B's cost and text that repeats). Output tokens/s with
-   --speculate ngram against none, at batch 1 and 32, and the mean tokens a verifying step emitted.
+   --speculate ngram against none, at batch 1 and 32, the mean tokens a verifying step emitted, the steps
+   launched and (GPU) the share of the time the device was busy: what the runner adds between steps.
 Prints one markdown table last. Parts that would run past --seconds are left out (the table says so).
 """
 
@@ -82,17 +83,22 @@ def generate(executor: Executor, prompts: list[list[int]], config: RunnerConfig)
     try:
         runner.generate(prompts[0][:8], max_new_tokens=4, ignore_eos=True)  # warm up
         runner.clear_prefix_cache()
-        before = runner.scheduler.num_accepted_tokens, runner.scheduler.num_verify_steps
+        before = runner.scheduler.num_accepted_tokens, runner.scheduler.num_verify_steps, runner.scheduler.step
         started = time.perf_counter()
         handles = [runner.submit(p, max_new_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts]
         tokens = sum(len(h.result().token_ids) for h in handles)
         seconds = time.perf_counter() - started
         accepted = runner.scheduler.num_accepted_tokens - before[0]
-        steps = runner.scheduler.num_verify_steps - before[1]
+        verifies = runner.scheduler.num_verify_steps - before[1]  # one per speculating request and step
+        records = [r for r in runner.step_history if r.step > before[2]]
     finally:
         runner.close()
+    # The steps launched, prefill included, and the share of the time the device spent on them (GPU only): beside
+    # the verify cost above, what the runner adds between steps.
+    device = [r.device_seconds for r in records if r.device_seconds is not None]
     return {"tokens_per_second": tokens / seconds, "seconds": seconds,
-            "tokens_per_verify_step": accepted / steps + 1 if steps else None, "verify_steps": steps}
+            "tokens_per_verify_step": accepted / verifies + 1 if verifies else None, "verify_steps": verifies,
+            "steps": len(records), "device_share": sum(device) / seconds if device else None}
 
 
 def ngram_runs(executor: Executor, num_draft_tokens: int, deadline: float) -> dict:
@@ -131,9 +137,16 @@ def table(costs: dict, runs: dict, num_draft_tokens: int, device: str) -> str:
         per_step = ngram["tokens_per_verify_step"]
         cells.append(f"{ngram['tokens_per_second']:,.0f} vs {plain['tokens_per_second']:,.0f} tok/s "
                      f"({ngram['tokens_per_second'] / plain['tokens_per_second']:.2f}x), "
-                     + (f"{per_step:.2f} tokens per verify step" if per_step else "no drafts"))
+                     + (f"{per_step:.2f} tokens per verify step" if per_step else "no drafts")
+                     + f"; {ngram['steps']} vs {plain['steps']} steps" + _device_shares(ngram, plain))
     lines.append(f"| n-gram k = {num_draft_tokens} vs none, the model's own greedy text | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _device_shares(ngram: dict, plain: dict) -> str:
+    if ngram["device_share"] is None or plain["device_share"] is None:
+        return ""
+    return f", the device busy {ngram['device_share']:.0%} vs {plain['device_share']:.0%} of the time"
 
 
 def main() -> None:
