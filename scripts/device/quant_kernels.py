@@ -16,9 +16,9 @@ bits (a few minutes: narrow it with --widths 1,16,64).
 
 How it measures: a step of a decoder reads each weight once, from DRAM. Timing one weight in a loop of
 CUDA-graph replays would serve it from L2 (50 MB on an H200 holds a whole int8 or int4 matrix), so each
-measurement captures calls over enough copies of the weights that one pass reads ROTATION_BYTES, and
-divides the replay time by the number of copies. The floor's bandwidth is a pure read (torch.sum over
-1 GiB), not a copy's read + write.
+measurement captures calls over enough copies of the weights that one pass reads 256 MB (the export's
+tuning's rotation_copies), and divides the replay time by the number of copies. The floor's bandwidth is a
+pure read (torch.sum over 1 GiB), not a copy's read + write.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ if "--cpu-smoke" in sys.argv:  # read when Triton is imported: before anything i
 
 import torch  # noqa: E402
 
+from pt2serve.export.linear_tuning import rotation_copies  # noqa: E402
 from pt2serve.kernels import quant_linear_triton as kernels  # noqa: E402  (registers the op)
 from pt2serve.kernels.graph_timing import graph_replay_ms  # noqa: E402
 from pt2serve.kernels.quant_linear import pack, reference_quant_linear, unpack  # noqa: E402
@@ -42,7 +43,6 @@ from pt2serve.kernels.quant_linear import pack, reference_quant_linear, unpack  
 GPU_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
               "down_proj": (4096, 14336)}
 SMOKE_SHAPES = {"tiny": (72, 384)}  # N no multiple of a tile, K ending in a short int4 block
-ROTATION_BYTES = 256 * 2**20  # several times the L2, so every call reads its weight from DRAM
 REPLAYS = 10
 
 
@@ -87,7 +87,7 @@ def aten_peer(weights: Weights, bits: int, group_size: int) -> Callable[[torch.T
 
 
 def copies_for(nbytes: int, device: str) -> int:
-    return max(1, -(-ROTATION_BYTES // nbytes)) if device == "cuda" else 1
+    return rotation_copies(nbytes) if device == "cuda" else 1
 
 
 def time_ms(calls: list[Callable[[], object]], device: str) -> float:
