@@ -13,16 +13,20 @@
 # then the untimed checks side by side (compiles on 16 cores, small models on the GPU):
 #   width-check with PRESET=toy-greedy-8b: scripts/device/graphs_check.py, every width's tokens against the
 #               designed ones with graphs on and off, in bf16 at the 8B's size
-#   cuda-tests  the tests marked cuda and the Triton kernels' tests compiled (scripts/device/cuda_tests.sh)
+#   cuda-tests  the tests marked cuda (scripts/device/cuda_tests.sh PART=cuda)
+#   kernel-tests  the Triton kernels' own tests, compiled (cuda_tests.sh PART=kernels)
 #   tuned-small llama-3.2-1b exported in fp32 with tuned kernels: the method check
-#   dflash-export  scripts/device/dflash.sh EXPORT_ONLY=1: PRESET with a random draft of the published shape
+#   dflash-export  scripts/device/dflash.sh EXPORT_ONLY=1: toy-greedy-8b with a random draft of the published
+#               shape (designed weights: with random ones, bf16 logits tie often enough that a verify step's
+#               width alone flips greedy tokens, and the benchmark's check of unchanged output fails)
 #   quant-toy   toy-greedy int8 / int4: the method and width checks (quant_8b.sh's step 2)
 # and last, alone again:
 #   dflash      scripts/device/dflash.sh on that export: tokens/s against the oracle's accepted length
 #   quant-8b    llama-3.1-8b exported bf16, int8 and int4, swept and compared (quant_8b.sh's steps 3 and 4;
-#               about 15 minutes)
-#   quant-kernels  the quantized kernels' configs timed on the 8B shapes, and torch's own weight-only kernels
-#               beside them (quant_kernels.py; their tests run compiled among the cuda-tests)
+#               about 15 minutes; QUANT_STEPS, FORMATS and METHOD_CHECK narrow it, e.g. QUANT_STEPS=3
+#               FORMATS="bf16 int4" METHOD_CHECK="bf16 int4" for the method checks alone, about 9 minutes)
+#   quant-kernels  the quantized kernels timed on the 8B shapes, the bytes they read streamed alone (--probe),
+#               and torch's own weight-only kernels beside them (quant_kernels.py)
 # Everything runs longer than one session's device time: SKIP="step ..." leaves steps out, e.g.
 # SKIP="quant-toy quant-kernels quant-8b" for the 8B's own checks, or SKIP="export sweep matmuls speculate soak
 # width-check tuned-small" for DFlash and quantization (with export skipped, no step may need /tmp/model.pt2).
@@ -30,8 +34,8 @@
 # packs /tmp/chain into $OUT/chain.tar.gz.
 set -uo pipefail
 CHAIN=/tmp/chain
-CHAIN_STEPS=(export sweep matmuls speculate soak width-check cuda-tests tuned-small dflash-export quant-toy dflash
-             quant-8b quant-kernels)
+CHAIN_STEPS=(export sweep matmuls speculate soak width-check cuda-tests kernel-tests tuned-small dflash-export
+             quant-toy dflash quant-8b quant-kernels)
 
 if [ "${1:-}" = "--poll" ]; then
   for step in "${CHAIN_STEPS[@]}"; do
@@ -86,14 +90,15 @@ run matmuls timeout 180 python3 scripts/device/matmul_floor.py "$ARTIFACT" "$PRE
 RUN_LIMIT_S=120 run speculate scripts/device/speculate.sh
 run soak scripts/device/soak_8b.sh
 [ "$PRESET" = toy-greedy-8b ] && run width-check timeout 400 python3 scripts/device/graphs_check.py "$ARTIFACT" "$PRESET" &
-# Bounded: the step after waits for it, and once its tuning test ran until the session's device time was gone.
-run cuda-tests timeout 600 scripts/device/cuda_tests.sh &
+# Bounded: the step after waits for them, and once a tuning test ran until the session's device time was gone.
+PART=cuda run cuda-tests timeout 600 scripts/device/cuda_tests.sh &
+PART=kernels run kernel-tests timeout 600 scripts/device/cuda_tests.sh &
 run tuned-small tuned_small &
 # ARTIFACT names the 8B here: the DFlash steps take their own export.
-ARTIFACT= EXPORT_ONLY=1 run dflash-export scripts/device/dflash.sh &
+ARTIFACT= PRESET=toy-greedy-8b EXPORT_ONLY=1 run dflash-export scripts/device/dflash.sh &
 STEPS=2 WORK=/tmp/quant run quant-toy scripts/device/quant_8b.sh &
 wait
-ARTIFACT= RUN_LIMIT_S=120 run dflash scripts/device/dflash.sh
+ARTIFACT= PRESET=toy-greedy-8b RUN_LIMIT_S=120 run dflash scripts/device/dflash.sh
 rm -f "$ARTIFACT" /tmp/dflash-*.pt2   # no step below reads them; three 8B exports (30 GB) need the disk (64 GB)
-PRESET=llama-3.1-8b STEPS="3 4" WORK=/tmp/quant run quant-8b scripts/device/quant_8b.sh
-run quant-kernels timeout 300 python3 scripts/device/quant_kernels.py --configs --widths 1,16,64
+PRESET=llama-3.1-8b STEPS="${QUANT_STEPS:-3 4}" WORK=/tmp/quant run quant-8b scripts/device/quant_8b.sh
+run quant-kernels timeout 300 python3 scripts/device/quant_kernels.py --widths 1,16,64 --probe

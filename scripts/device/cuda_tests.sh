@@ -17,10 +17,15 @@ fi
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 # Only the GPU test file is collected: the other test files import server and test-only packages the
 # GPU image may lack.
+# PART=cuda runs only the first suite, PART=kernels only the second (each compiles minutes of kernels).
 status=0
-python3 -m pytest -m cuda -p no:cacheprovider -rA ${TESTS:-tests/test_cuda.py tests/test_small_m_linear.py} || status=$?
+if [ "${PART:-all}" != kernels ]; then
+  python3 -m pytest -m cuda -p no:cacheprovider -rA ${TESTS:-tests/test_cuda.py tests/test_small_m_linear.py} \
+    || status=$?
+fi
 # The kernels' own tests, compiled for the GPU (without one they run in Triton's interpreter).
-python3 -m pytest -p no:cacheprovider -rA ${KERNEL_TESTS:-tests/test_small_m_linear.py tests/test_rope_store.py
-  tests/test_quant_kernels.py} \
-  || status=$?
+if [ "${PART:-all}" != cuda ]; then
+  python3 -m pytest -p no:cacheprovider -rA ${KERNEL_TESTS:-tests/test_small_m_linear.py tests/test_rope_store.py
+    tests/test_quant_kernels.py} || status=$?
+fi
 exit $status

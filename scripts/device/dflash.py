@@ -69,6 +69,15 @@ def timed(executor: Executor, prompt: list[int], config: RunnerConfig, drafter=N
             "seconds": seconds, "tokens_per_verify_step": accepted / steps + 1 if steps else None}
 
 
+def check_unchanged(run: dict, plain: dict) -> None:
+    if run["tokens"] != plain["tokens"]:
+        pairs = enumerate(zip(run["tokens"], plain["tokens"]))
+        first = next((i for i, (a, b) in pairs if a != b), min(len(run["tokens"]), len(plain["tokens"])))
+        raise SystemExit(f"speculation changed the greedy output from token {first} on. With random weights in "
+                         "bf16, near-tied logits flip between step widths: use a preset with designed weights "
+                         "(toy-greedy, toy-greedy-8b), or an fp32 export")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("artifact")
@@ -101,14 +110,14 @@ def main() -> None:
     speculating = RunnerConfig(token_budget=64, num_draft_tokens=k)
     if time.monotonic() < deadline:
         real = timed(executor, prompt, speculating, executor.draft)
-        assert real["tokens"] == plain["tokens"], "speculation changed greedy output"
+        check_unchanged(real, plain)
         rows.append(("DFlash, the draft's own proposals", real, real["tokens_per_verify_step"] or 1, verify_floor_ms))
     for accept in sorted({0, 1, 3, 7, k} & set(range(k + 1))):
         if time.monotonic() > deadline:
             break
         oracle = OracleDrafter(executor.draft, truth, accept, meta.vocab_size)
         run = timed(executor, prompt, speculating, oracle)
-        assert run["tokens"] == plain["tokens"], "speculation changed greedy output"
+        check_unchanged(run, plain)
         rows.append((f"DFlash, oracle accepts {accept} of {k}", run, accept + 1, verify_floor_ms))
 
     if args.json:
