@@ -194,14 +194,18 @@ def test_operator_exports_with_a_dynamic_width(tmp_path):
 
 
 def test_device_benchmark_runs_on_the_cpu():
-    """scripts/device/quant_kernels.py --cpu-smoke: every row of both tables is computed, and correct."""
+    """scripts/device/quant_kernels.py --cpu-smoke: every row of its tables is computed, and correct (the probe
+    checks the sums of the bytes it streamed itself, and exits non-zero if one is wrong)."""
     root = Path(__file__).parents[1]
     script = root / "scripts" / "device" / "quant_kernels.py"
     env = os.environ | {"PYTHONPATH": str(root)}  # this checkout's pt2serve, not whichever one is installed
-    done = subprocess.run([sys.executable, str(script), "--cpu-smoke", "--widths", "1,65", "--configs"],
+    done = subprocess.run([sys.executable, str(script), "--cpu-smoke", "--widths", "1,65", "--configs", "--probe"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["tiny"]]
+    tables, _, probe = done.stdout.partition("the bytes alone")
+    probed = [line.split()[1] for line in probe.splitlines() if line.split()[:1] == ["tiny"]]
+    assert sorted(set(probed)) == ["int4", "int8"] and len(probed) >= 4
+    rows = [line.split() for line in tables.splitlines() if line.split()[:1] == ["tiny"]]
     widths = [(row[1], row[2]) for row in rows[:4]]
     assert widths == [("int8", "1"), ("int8", "65"), ("int4", "1"), ("int4", "65")]
     configs = rows[4:]

@@ -10,9 +10,11 @@ the floor (the bytes the op must read, over the device's read bandwidth), op/flo
 the first one is the default) for the widths <= 64, so the default can be set to the winner. On the GPU it
 also times torch's own weight-only kernels on the same weights, as a peer: `_weight_int4pack_mm` (tinygemm:
 int4 with a float zero point per group) and `_weight_int8pack_mm` (int8 per row), where this torch has them
-for CUDA. The plain
-run takes well under a minute on an H200; --configs compiles and times about fifty configs per layer and
-bits (a few minutes: narrow it with --widths 1,16,64).
+for CUDA. The plain run takes well under a minute on an H200; --configs compiles and times about fifty
+configs per layer and bits (a few minutes: narrow it with --widths 1,16,64). --probe times, for the export's
+tuning candidates at M = 1, a kernel that only streams the packed bytes with the same grid and tiles (each
+byte loaded and added to an integer sum, nothing else): near the floor, the op's time beyond it is the
+dequantizing arithmetic; far from it, the tiles or the grid cannot keep enough bytes in flight.
 
 How it measures: a step of a decoder reads each weight once, from DRAM. Timing one weight in a loop of
 CUDA-graph replays would serve it from L2 (50 MB on an H200 holds a whole int8 or int4 matrix), so each
@@ -34,6 +36,8 @@ if "--cpu-smoke" in sys.argv:  # read when Triton is imported: before anything i
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from pt2serve.export.linear_tuning import rotation_copies  # noqa: E402
 from pt2serve.kernels import quant_linear_triton as kernels  # noqa: E402  (registers the op)
@@ -86,6 +90,33 @@ def aten_peer(weights: Weights, bits: int, group_size: int) -> Callable[[torch.T
     return lambda x: torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
 
 
+@triton.jit
+def stream_kernel(q_ptr, out_ptr, N, row_bytes, bytes_per_split, stride_qn,
+                  BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The small-M kernel's reads alone: program (n, s) loads the bytes of split s of rows n*BLOCK_N.. in steps
+    of BLOCK_B, adds them up as integers and stores one sum per row (so the loads cannot be dropped)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    b_start = tl.program_id(1) * bytes_per_split
+    b_end = tl.minimum(b_start + bytes_per_split, row_bytes)
+    acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.int32)
+    for b0 in range(b_start, b_end, BLOCK_B):
+        offs_b = tl.max_contiguous(tl.multiple_of(b0 + tl.arange(0, BLOCK_B), BLOCK_B), BLOCK_B)
+        mask = n_mask[:, None] & (offs_b < b_end)[None, :]
+        acc += tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :], mask=mask, other=0).to(tl.int32)
+    tl.store(out_ptr + tl.program_id(1) * N + offs_n, tl.sum(acc, axis=1), mask=n_mask)
+
+
+def stream(qweight: torch.Tensor, config, out: torch.Tensor) -> torch.Tensor:
+    """stream_kernel over qweight with config's tiles, warps and split (out: [splits, N] int32)."""
+    n, row_bytes = qweight.shape
+    bytes_per_split = kernels._bytes_per_split(row_bytes, config.split_k, config.block_bytes)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(row_bytes, bytes_per_split))
+    stream_kernel[grid](qweight, out, n, row_bytes, bytes_per_split, qweight.stride(0),
+                        BLOCK_N=config.block_n, BLOCK_B=config.block_bytes, num_warps=config.num_warps)
+    return out
+
+
 def copies_for(nbytes: int, device: str) -> int:
     return rotation_copies(nbytes) if device == "cuda" else 1
 
@@ -114,6 +145,32 @@ def read_bandwidth(device: str) -> float:
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def probe(shapes: dict, device: str) -> None:
+    """Per tuning candidate at M = 1: the op's time next to the time of streaming its bytes alone."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    bandwidth = read_bandwidth(device)
+    num_sms = kernels.sm_count(torch.device(device))
+    print(f"\nthe bytes alone (M = 1; read bandwidth {bandwidth / 1e9:.0f} GB/s)")
+    print(f"{'layer':>13} {'bits':>5} {'config':>34} {'op ms':>8} {'bytes ms':>8} {'floor ms':>8} {'bytes/floor':>11}")
+    for name, (n, k) in shapes.items():
+        for bits, group_size in ((8, k), (4, 128)):
+            first = make_weights(n, k, bits, group_size, device, dtype, seed=0)
+            copies = [first] + [make_weights(n, k, bits, group_size, device, dtype, seed=i)
+                                for i in range(1, copies_for(first.packed_bytes, device))]
+            x = torch.randn(1, k, device=device, dtype=dtype)
+            floor_ms = first.qweight.numel() / bandwidth * 1e3
+            for config in kernels.tuning_candidates(1, n, k, bits, num_sms):
+                out = torch.empty((config.split_k, n), dtype=torch.int32, device=device)
+                got = stream(first.qweight, config, out).to(torch.int64).sum(0)
+                assert torch.equal(got, first.qweight.to(torch.int64).sum(1)), f"bytes misread: {config.name}"
+                op_ms = time_ms([lambda w=w, c=config: kernels.launch_small_m(
+                    x, w.qweight, w.scales, w.zeros, None, bits, group_size, c) for w in copies], device)
+                bytes_ms = time_ms([lambda w=w, c=config: stream(w.qweight, c, out) for w in copies], device)
+                print(f"{name:>13} {f'int{bits}':>5} {config.name:>34} {op_ms:8.4f} {bytes_ms:8.4f} {floor_ms:8.4f} "
+                      f"{bytes_ms / floor_ms:11.2f}")
+            del copies
 
 
 def measure(shapes: dict, widths: list[int], with_configs: bool, device: str) -> None:
@@ -181,6 +238,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--widths", default=None, help="comma-separated M values")
     parser.add_argument("--configs", action="store_true", help="also time every small-M launch config")
+    parser.add_argument("--probe", action="store_true", help="also time streaming the packed bytes alone (M = 1)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU in Triton's interpreter")
     args = parser.parse_args()
     if args.cpu_smoke:
@@ -191,6 +249,8 @@ def main() -> None:
         device, shapes, default_widths = "cuda", GPU_SHAPES, "1,16,32,64,128,1024"
     widths = [int(m) for m in (args.widths or default_widths).split(",")]
     measure(shapes, widths, args.configs, device)
+    if args.probe:
+        probe(shapes, device)
 
 
 if __name__ == "__main__":
