@@ -98,7 +98,7 @@ def compile_case(case: Case):
         "UNIFORM_GROUPS": qlt._uniform_groups(case.bits, case.k, case.group_size, config.block_bytes),
         "USE_DOT": config.use_dot, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
         "BLOCK_B": config.block_bytes, "EVEN_B": qlt._whole_steps(row_bytes, config.block_bytes),
-        "DOT_PRECISION": "tf32",
+        "DOT_PRECISION": "tf32", "X_DIRECT": config.x_direct,
     }
     kernel = qlt.quant_linear_small_m_kernel
     signature = {**pointers, **{name: "i32" for name in ints}, **{name: "constexpr" for name in constexprs}}

@@ -8,6 +8,7 @@ columns inside one group, and groups narrower than a run).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -270,10 +271,23 @@ def test_export_tunes_a_few_varied_configs_the_default_first(kernels, num_rows):
     every = kernels.small_m_candidates(num_rows, 4096, 14336, 4, kernels.DEFAULT_NUM_SMS)
     tuned = kernels.tuning_candidates(num_rows, 4096, 14336, 4, kernels.DEFAULT_NUM_SMS)
     assert tuned[0] == kernels.small_m_config(num_rows, 4096, 14336, 4, kernels.DEFAULT_NUM_SMS)
-    assert len(tuned) == kernels.TUNED_CONFIGS and set(tuned) <= set(every)
+    direct = [c for c in tuned if c.x_direct]
+    assert len(tuned) - len(direct) == kernels.TUNED_CONFIGS and set(tuned) <= set(every)
     assert {c.use_dot for c in tuned} == ({False, True} if num_rows <= kernels.GEMV_M_MAX else {True})
     gemv = [c.block_n for c in every if not c.use_dot and c.num_warps == 4]
     assert not gemv or max(gemv) in {c.block_n for c in tuned if not c.use_dot}  # the widest gemv tile
+    # At one row each gemv tile is timed both ways of reaching x; elsewhere x_direct does not apply.
+    plain_gemv = {dataclasses.replace(c, x_direct=True) for c in tuned if not c.use_dot and not c.x_direct}
+    assert set(direct) == (plain_gemv if num_rows == 1 else set())
+
+
+def test_x_direct_is_a_one_row_gemv_config(kernels):
+    qweight, scales, zeros, perm = random_format(8, 16, 64, 64, False, False, seed=3)
+    for num_rows, use_dot, block_m in ((1, True, 16), (2, False, 2)):
+        config = kernels.QuantLaunchConfig(use_dot, block_m, 16, 16, 4, 1, 1, x_direct=True)
+        with pytest.raises(ValueError, match="one-row gemv"):
+            kernels.launch_small_m(torch.randn(num_rows, 64, device=DEVICE), qweight, scales, zeros, perm, 8, 64,
+                                   config)
 
 
 def test_tuning_times_every_quantized_config_and_keeps_the_fastest(kernels, monkeypatch, fake_tuning_times):
@@ -311,12 +325,13 @@ def test_the_operator_with_a_chosen_config_matches_reference(kernels, fmt):
     bits, n, k, group_size, has_zeros, has_perm = fmt
     qweight, scales, zeros, perm = random_format(bits, n, k, group_size, has_zeros, has_perm, seed=3)
     for num_rows in (1, 20):
-        config = kernels.small_m_candidates(num_rows, n, k, bits, kernels.DEFAULT_NUM_SMS)[-1]
+        candidates = kernels.small_m_candidates(num_rows, n, k, bits, kernels.DEFAULT_NUM_SMS)
         x = torch.randn(num_rows, k, device=DEVICE)
-        out = torch.ops.pt2serve.quant_linear_small_m(
-            x, qweight, scales, zeros, perm, bits, group_size, config.use_dot, config.block_m, config.block_n,
-            config.block_bytes, config.num_warps, config.num_stages, config.split_k)
-        check(out, reference_quant_linear(x, qweight, scales, zeros, perm, bits, group_size))
+        for config in [candidates[-1]] + [c for c in candidates if c.x_direct][:1]:
+            out = torch.ops.pt2serve.quant_linear_small_m(
+                x, qweight, scales, zeros, perm, bits, group_size, config.use_dot, config.block_m, config.block_n,
+                config.block_bytes, config.num_warps, config.num_stages, config.split_k, config.x_direct)
+            check(out, reference_quant_linear(x, qweight, scales, zeros, perm, bits, group_size))
 
 
 def test_a_chosen_config_is_traced_into_the_call(tmp_path):
@@ -346,5 +361,5 @@ def test_a_chosen_config_is_traced_into_the_call(tmp_path):
                 print(width, [str(node.target) for node in calls], list(calls[0].args[5:]))  # past x and the weights
     """)
     lines = run_without_interpreter(script, timeout=300).stdout.splitlines()
-    assert lines[-2] == "4 ['pt2serve.quant_linear_small_m.default'] [4, 64, True, 16, 32, 64, 4, 3, 2]"
+    assert lines[-2] == "4 ['pt2serve.quant_linear_small_m.default'] [4, 64, True, 16, 32, 64, 4, 3, 2, False]"
     assert lines[-1] == "5 ['pt2serve.quant_linear.default'] [4, 64]"

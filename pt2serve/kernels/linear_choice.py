@@ -61,12 +61,15 @@ class QuantLaunchConfig:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    # One-row gemv only: each thread loads the x it multiplies straight from global memory (L1), instead of
+    # x reaching the threads through shared memory and two barriers per run.
+    x_direct: bool = False
 
     @property
     def name(self) -> str:
         kind = "dot" if self.use_dot else "gemv"
         return (f"{kind} m{self.block_m} n{self.block_n} b{self.block_bytes} w{self.num_warps} "
-                f"s{self.num_stages} k{self.split_k}")
+                f"s{self.num_stages} k{self.split_k}" + (" xd" if self.x_direct else ""))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -153,5 +153,5 @@ def triton_quant_linear(
         return torch.ops.pt2serve.quant_linear(x, qweight, scales, zeros, perm, bits, group_size)
     return torch.ops.pt2serve.quant_linear_small_m(
         x, qweight, scales, zeros, perm, bits, group_size, config.use_dot, config.block_m, config.block_n,
-        config.block_bytes, config.num_warps, config.num_stages, config.split_k,
+        config.block_bytes, config.num_warps, config.num_stages, config.split_k, config.x_direct,
     )

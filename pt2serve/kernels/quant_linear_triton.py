@@ -16,7 +16,8 @@ Which path serves a call is fixed when the method is traced:
     summed across the tile once after the loop (the fewest instructions per weight byte, and no
     cross-thread reduction inside the loop; for M up to GEMV_M_MAX). At M = 1 the tiles keep the packed
     load's lanes of GEMV_LANE bytes per thread instead: the weights never move between threads, and a
-    run's scale multiplies each lane's sum instead of each weight (_one_row_run);
+    run's scale multiplies each lane's sum instead of each weight (_one_row_run); x reaches the threads
+    through shared memory, or (x_direct) each thread loads its own from L1 with no barrier;
   - dot: every row of x rides along in one tl.dot (BLOCK_M padded to 16).
 - Wide M (a static width > SMALL_M_MAX, and the dynamic method forward_others, whose width is data):
   one kernel dequantizes the whole weight into x's dtype (reading each packed byte once, writing the bf16
@@ -258,10 +259,10 @@ def _load_packed_lanes(qweight_ptr, offs_n, n_mask, b0, b_mask, stride_qn, BLOCK
 def _one_row_run(
     acc, q, start, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask, num_groups,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    UNIFORM_GROUPS: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr,
+    UNIFORM_GROUPS: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr, X_DIRECT: tl.constexpr,
 ):
     """Adds x[0, run] * W[offs_n, run], summed per lane, for one run of BLOCK_B columns (q: [BLOCK_N, lanes,
-    GEMV_LANE]) to acc [BLOCK_N, lanes].
+    GEMV_LANE]) to acc [BLOCK_N, lanes]. X_DIRECT: see QuantLaunchConfig.x_direct.
 
     The products keep the packed load's layout (no exchange of weights between threads), and each lane's
     products are summed in the thread that loaded them: with UNIFORM_GROUPS the exact q - zero is summed
@@ -274,10 +275,16 @@ def _one_row_run(
         columns = tl.max_contiguous(tl.multiple_of(columns, [1, GEMV_LANE]), [1, GEMV_LANE])
     if HAS_PERM:
         columns = tl.load(perm_ptr + columns, mask=b_mask, other=0)
-    # x's run as [lanes, GEMV_LANE], broadcast over the rows: Triton loads it once per program and hands
-    # it to the threads through shared memory, a few instructions per step.
-    x = tl.load(x_ptr + columns, mask=b_mask, other=0).to(tl.float32)
-    lane_sums = tl.sum(w * x[None, :, :], axis=2)
+    if X_DIRECT:
+        # x loaded in the weights' own shape: each thread reads (from L1) the x its weights meet, with no
+        # shared memory or barrier, at the cost of converting its x to fp32 itself.
+        x = tl.load(x_ptr + columns[None, :, :], mask=n_mask[:, None, None] & b_mask[None, :, :], other=0)
+        lane_sums = tl.sum(w * x.to(tl.float32), axis=2)
+    else:
+        # x's run as [lanes, GEMV_LANE], broadcast over the rows: Triton loads it once per program and hands
+        # it to the threads through shared memory, a few instructions per step.
+        x = tl.load(x_ptr + columns, mask=b_mask, other=0).to(tl.float32)
+        lane_sums = tl.sum(w * x[None, :, :], axis=2)
     if UNIFORM_GROUPS:
         lane_sums = lane_sums * scale[:, None]
     return acc + lane_sums
@@ -287,18 +294,21 @@ def _one_row_run(
 def _one_row_step(
     acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, num_groups,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    UNIFORM_GROUPS: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr,
+    UNIFORM_GROUPS: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr, X_DIRECT: tl.constexpr,
 ):
     """_accumulate_step of the gemv kernel at M = 1, on lane-shaped tiles (packed: [BLOCK_N, lanes, GEMV_LANE])."""
     if BITS == 4:
         low, high = _int4_run_starts(b0, K)
         acc = _one_row_run(acc, packed & 15, low, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask,
-                           num_groups, BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, BLOCK_B, EVEN_B)
+                           num_groups, BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, BLOCK_B, EVEN_B,
+                           X_DIRECT)
         acc = _one_row_run(acc, packed >> 4, high, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask,
-                           num_groups, BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, BLOCK_B, EVEN_B)
+                           num_groups, BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, BLOCK_B, EVEN_B,
+                           X_DIRECT)
     else:
         acc = _one_row_run(acc, packed, b0, x_ptr, perm_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, b_mask,
-                           num_groups, BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, BLOCK_B, EVEN_B)
+                           num_groups, BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM, UNIFORM_GROUPS, BLOCK_B, EVEN_B,
+                           X_DIRECT)
     return acc
 
 
@@ -309,11 +319,11 @@ def quant_linear_small_m_kernel(
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     UNIFORM_GROUPS: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_B: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, X_DIRECT: tl.constexpr,
 ):
     """Program (n, s): outputs n*BLOCK_N.. of all M rows over the packed bytes of split s, into out[s]
     ([splits, M, N]); each step takes BLOCK_B bytes of BLOCK_N rows (row_bytes = K * BITS / 8, passed in
-    so that Triton sees its divisibility). EVEN_B: BLOCK_B divides row_bytes."""
+    so that Triton sees its divisibility). EVEN_B: BLOCK_B divides row_bytes. X_DIRECT: one-row gemv only."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -342,7 +352,7 @@ def quant_linear_small_m_kernel(
                                              BLOCK_B)
             lane_acc = _one_row_step(lane_acc, packed, b0, b_mask, K, x_ptr, perm_ptr, scales_ptr, zeros_ptr,
                                      offs_n, n_mask, num_groups, BITS, GROUP_SIZE, HAS_ZEROS, HAS_PERM,
-                                     UNIFORM_GROUPS, BLOCK_B, EVEN_B)
+                                     UNIFORM_GROUPS, BLOCK_B, EVEN_B, X_DIRECT)
             b_mask, packed = next_b_mask, next_packed
         acc = tl.sum(lane_acc, axis=1)[None, :]
     else:
@@ -434,7 +444,8 @@ def small_m_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -
                 for num_warps in (4, 8):
                     if block_m * block_n * block_bytes > GEMV_PRODUCTS_MAX * num_warps // 4:
                         continue
-                    tiles.append(QuantLaunchConfig(False, block_m, block_n, block_bytes, num_warps, num_stages=1))
+                    tile = QuantLaunchConfig(False, block_m, block_n, block_bytes, num_warps, num_stages=1)
+                    tiles += [tile, replace(tile, x_direct=True)] if block_m == 1 else [tile]
     block_m = max(16, triton.next_power_of_2(num_rows))
     for block_n, block_bytes, num_warps in DOT_TILES:
         for num_stages in (4, 3):
@@ -451,14 +462,16 @@ TUNED_CONFIGS = 4
 def tuning_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> list[QuantLaunchConfig]:
     """A short, varied subset of small_m_candidates for export-time tuning, the default first: the default
     and the widest gemv tile (where M allows: wider tiles take fewer instructions per weight,
-    scripts/quant_kernel_ptx.py --candidates 1), then tl.dot tiles at four pipeline stages."""
+    scripts/quant_kernel_ptx.py --candidates 1), then tl.dot tiles at four pipeline stages; at M = 1 also
+    both gemv tiles with x loaded directly (QuantLaunchConfig.x_direct), beside the others."""
     configs = small_m_candidates(num_rows, n, k, bits, num_sms)
-    gemv = [c for c in configs if not c.use_dot and c.num_warps == 4]
+    gemv = [c for c in configs if not c.use_dot and c.num_warps == 4 and not c.x_direct]
     if gemv:
         widest = max(gemv, key=lambda c: c.block_n)
         gemv = [gemv[0]] + ([widest] if widest != gemv[0] else [])
     dot = [c for c in configs if c.use_dot and c.num_stages == 4]
-    return (gemv + dot)[:TUNED_CONFIGS]
+    direct = [replace(c, x_direct=True) for c in gemv if c.block_m == 1]
+    return (gemv + dot)[:TUNED_CONFIGS] + direct
 
 
 def small_m_config(num_rows: int, n: int, k: int, bits: int, num_sms: int) -> QuantLaunchConfig:
@@ -522,6 +535,8 @@ def launch_small_m(
         raise ValueError(f"int4 steps must divide the format's {INT4_HALF_BLOCK_BYTES}-byte block: {config.name}")
     if not config.use_dot and config.block_m == 1 and config.block_bytes % GEMV_LANE.value:
         raise ValueError(f"one-row gemv steps must be whole lanes of {GEMV_LANE.value} bytes: {config.name}")
+    if config.x_direct and (config.use_dot or config.block_m != 1):
+        raise ValueError(f"x_direct is a one-row gemv config: {config.name}")
     row_bytes = k * bits // 8
     bytes_per_split = _bytes_per_split(row_bytes, config.split_k, config.block_bytes)
     num_splits = triton.cdiv(row_bytes, bytes_per_split)
@@ -534,7 +549,7 @@ def launch_small_m(
         x, *tensors, perm if perm is not None else qweight, target,  # qweight stands in for an absent perm
         num_rows, n, k, row_bytes, scales.shape[1], bytes_per_split, x.stride(0), qweight.stride(0),
         HAS_PERM=perm is not None, UNIFORM_GROUPS=_uniform_groups(bits, k, group_size, config.block_bytes),
-        USE_DOT=config.use_dot, EVEN_B=_whole_steps(row_bytes, config.block_bytes),
+        USE_DOT=config.use_dot, EVEN_B=_whole_steps(row_bytes, config.block_bytes), X_DIRECT=config.x_direct,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_B=config.block_bytes,
         # fp32 activations (fp32 exports) stay fp32 in tl.dot instead of rounding through tf32.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -577,10 +592,11 @@ def quant_linear_small_m_op(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     perm: torch.Tensor | None, bits: int, group_size: int,
     use_dot: bool, block_m: int, block_n: int, block_bytes: int, num_warps: int, num_stages: int, split_k: int,
+    x_direct: bool,
 ) -> torch.Tensor:
     """The small-M kernel with the launch config the export chose (kernels/linear_choice.py), as arguments:
     part of the traced call, so compiling the method reads no tuning state."""
-    config = QuantLaunchConfig(use_dot, block_m, block_n, block_bytes, num_warps, num_stages, split_k)
+    config = QuantLaunchConfig(use_dot, block_m, block_n, block_bytes, num_warps, num_stages, split_k, x_direct)
     return launch_small_m(x.contiguous(), qweight, scales, zeros, perm, bits, group_size, config)
 
 
