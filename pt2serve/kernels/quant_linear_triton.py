@@ -277,8 +277,10 @@ def _one_row_run(
         columns = tl.load(perm_ptr + columns, mask=b_mask, other=0)
     if X_DIRECT:
         # x loaded in the weights' own shape: each thread reads (from L1) the x its weights meet, with no
-        # shared memory or barrier, at the cost of converting its x to fp32 itself.
-        x = tl.load(x_ptr + columns[None, :, :], mask=n_mask[:, None, None] & b_mask[None, :, :], other=0)
+        # shared memory or barrier, and converts it to fp32 itself. The addresses do not depend on the row
+        # (x is the same for all), so a thread holding several rows of a lane loads and converts it once.
+        same_for_every_row = tl.zeros_like(offs_n)[:, None, None]
+        x = tl.load(x_ptr + columns[None, :, :] + same_for_every_row, mask=b_mask[None, :, :], other=0)
         lane_sums = tl.sum(w * x.to(tl.float32), axis=2)
     else:
         # x's run as [lanes, GEMV_LANE], broadcast over the rows: Triton loads it once per program and hands
