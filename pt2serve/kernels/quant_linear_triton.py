@@ -447,7 +447,8 @@ def small_m_candidates(num_rows: int, n: int, k: int, bits: int, num_sms: int) -
                     if block_m * block_n * block_bytes > GEMV_PRODUCTS_MAX * num_warps // 4:
                         continue
                     tile = QuantLaunchConfig(False, block_m, block_n, block_bytes, num_warps, num_stages=1)
-                    tiles += [tile, replace(tile, x_direct=True)] if block_m == 1 else [tile]
+                    direct = block_m == 1 and num_warps == 4  # the tiles tuning_candidates takes
+                    tiles += [tile, replace(tile, x_direct=True)] if direct else [tile]
     block_m = max(16, triton.next_power_of_2(num_rows))
     for block_n, block_bytes, num_warps in DOT_TILES:
         for num_stages in (4, 3):

@@ -100,14 +100,17 @@ def main() -> None:
         compiled, eager, want = compiled[:rows], eager[:rows], want[:rows]
         dlogit = (compiled - want).abs().max().item()
         dpool = (compiled_pools[0].float() - reference_pools[0]).abs().max().item()
+        # Within fp32's tolerance always passes; in bf16 so does anything within the bar.
+        logit_bar = FP32_RELATIVE_TOLERANCE * want.abs().max().item()
+        pool_bar = FP32_RELATIVE_TOLERANCE * reference_pools[0].abs().max().item()
         if exact:
             eager_dlogit = eager_dpool = 0.0
-            ok = (dlogit <= FP32_RELATIVE_TOLERANCE * want.abs().max().item()
-                  and dpool <= FP32_RELATIVE_TOLERANCE * reference_pools[0].abs().max().item())
         else:
             eager_dlogit = (eager - want).abs().max().item()
             eager_dpool = (eager_pools[0].float() - reference_pools[0]).abs().max().item()
-            ok = dlogit <= EAGER_ERROR_FACTOR * eager_dlogit and dpool <= EAGER_ERROR_FACTOR * eager_dpool
+            logit_bar = max(logit_bar, EAGER_ERROR_FACTOR * eager_dlogit)
+            pool_bar = max(pool_bar, EAGER_ERROR_FACTOR * eager_dpool)
+        ok = dlogit <= logit_bar and dpool <= pool_bar
         same = torch.equal(compiled.argmax(-1), want.argmax(-1))
         print(f"{method:>15} {dlogit:9.2e} {eager_dlogit:9.2e} {dpool:9.2e} {eager_dpool:9.2e} {str(same):>12} "
               f"{'ok' if ok else 'FAIL':>6}")
