@@ -22,11 +22,11 @@
 #   quant-toy   toy-greedy int8 / int4: the method and width checks (quant_8b.sh's step 2)
 # and last, alone again:
 #   dflash      scripts/device/dflash.sh on that export: tokens/s against the oracle's accepted length
+#   quant-kernels  the quantized kernels timed on the 8B shapes, the bytes they read streamed alone (--probe),
+#               and torch's own weight-only kernels beside them (quant_kernels.py; about 2 minutes)
 #   quant-8b    llama-3.1-8b exported bf16, int8 and int4, swept and compared (quant_8b.sh's steps 3 and 4;
 #               about 15 minutes; QUANT_STEPS, FORMATS and METHOD_CHECK narrow it, e.g. QUANT_STEPS=3
 #               FORMATS="bf16 int4" METHOD_CHECK="bf16 int4" for the method checks alone, about 9 minutes)
-#   quant-kernels  the quantized kernels timed on the 8B shapes, the bytes they read streamed alone (--probe),
-#               and torch's own weight-only kernels beside them (quant_kernels.py)
 # Everything runs longer than one session's device time: SKIP="step ..." leaves steps out, e.g.
 # SKIP="quant-toy quant-kernels quant-8b" for the 8B's own checks, or SKIP="export sweep matmuls speculate soak
 # width-check tuned-small" for DFlash and quantization (with export skipped, no step may need /tmp/model.pt2).
@@ -35,7 +35,7 @@
 set -uo pipefail
 CHAIN=/tmp/chain
 CHAIN_STEPS=(export sweep matmuls speculate soak width-check cuda-tests kernel-tests tuned-small dflash-export
-             quant-toy dflash quant-8b quant-kernels)
+             quant-toy dflash quant-kernels quant-8b)
 
 if [ "${1:-}" = "--poll" ]; then
   for step in "${CHAIN_STEPS[@]}"; do
@@ -100,5 +100,5 @@ STEPS=2 WORK=/tmp/quant run quant-toy scripts/device/quant_8b.sh &
 wait
 ARTIFACT= PRESET=toy-greedy-8b RUN_LIMIT_S=120 run dflash scripts/device/dflash.sh
 rm -f "$ARTIFACT" /tmp/dflash-*.pt2   # no step below reads them; three 8B exports (30 GB) need the disk (64 GB)
-PRESET=llama-3.1-8b STEPS="${QUANT_STEPS:-3 4}" WORK=/tmp/quant run quant-8b scripts/device/quant_8b.sh
 run quant-kernels timeout 300 python3 scripts/device/quant_kernels.py --widths 1,16,64 --probe
+PRESET=llama-3.1-8b STEPS="${QUANT_STEPS:-3 4}" WORK=/tmp/quant run quant-8b scripts/device/quant_8b.sh
