@@ -121,6 +121,13 @@ def copies_for(nbytes: int, device: str) -> int:
     return rotation_copies(nbytes) if device == "cuda" else 1
 
 
+def weight_copies(n: int, k: int, bits: int, group_size: int, device: str, dtype: torch.dtype) -> list[Weights]:
+    """Enough copies of a layer's weights that one pass over them reads past L2 (one on the CPU)."""
+    first = make_weights(n, k, bits, group_size, device, dtype, seed=0)
+    return [first] + [make_weights(n, k, bits, group_size, device, dtype, seed=i)
+                      for i in range(1, copies_for(first.packed_bytes, device))]
+
+
 def time_ms(calls: list[Callable[[], object]], device: str) -> float:
     """Median time of one call, when the calls run back to back (one CUDA graph replays them all)."""
     if device != "cuda":
@@ -147,18 +154,16 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def probe(shapes: dict, device: str) -> None:
+def probe(shapes: dict, device: str, bandwidth: float) -> None:
     """Per tuning candidate at M = 1: the op's time next to the time of streaming its bytes alone."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    bandwidth = read_bandwidth(device)
     num_sms = kernels.sm_count(torch.device(device))
     print(f"\nthe bytes alone (M = 1; read bandwidth {bandwidth / 1e9:.0f} GB/s)")
     print(f"{'layer':>13} {'bits':>5} {'config':>34} {'op ms':>8} {'bytes ms':>8} {'floor ms':>8} {'bytes/floor':>11}")
     for name, (n, k) in shapes.items():
         for bits, group_size in ((8, k), (4, 128)):
-            first = make_weights(n, k, bits, group_size, device, dtype, seed=0)
-            copies = [first] + [make_weights(n, k, bits, group_size, device, dtype, seed=i)
-                                for i in range(1, copies_for(first.packed_bytes, device))]
+            copies = weight_copies(n, k, bits, group_size, device, dtype)
+            first = copies[0]
             x = torch.randn(1, k, device=device, dtype=dtype)
             floor_ms = first.qweight.numel() / bandwidth * 1e3
             candidates = kernels.tuning_candidates(1, n, k, bits, num_sms)
@@ -175,17 +180,15 @@ def probe(shapes: dict, device: str) -> None:
             del copies
 
 
-def measure(shapes: dict, widths: list[int], with_configs: bool, device: str) -> None:
+def measure(shapes: dict, widths: list[int], with_configs: bool, device: str, bandwidth: float) -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    bandwidth = read_bandwidth(device)
     print(f"read bandwidth {bandwidth / 1e9:.0f} GB/s (torch.sum over a large buffer)")
     num_sms = kernels.sm_count(torch.device(device))
     rows, config_rows, peer_rows = [], [], []
     for name, (n, k) in shapes.items():
         for bits, group_size in ((8, k), (4, 128)):
-            first = make_weights(n, k, bits, group_size, device, dtype, seed=0)
-            op_copies = [first] + [make_weights(n, k, bits, group_size, device, dtype, seed=i)
-                                   for i in range(1, copies_for(first.packed_bytes, device))]
+            op_copies = weight_copies(n, k, bits, group_size, device, dtype)
+            first = op_copies[0]
             # The packed weights are smaller than the bf16 ones: their copies hold enough bf16 copies.
             dense_copies = [w.dense for w in op_copies[:copies_for(first.dense.numel() * 2, device)]]
             peers = None
@@ -250,9 +253,10 @@ def main() -> None:
             sys.exit("no GPU: run with --cpu-smoke to check the script on the CPU")
         device, shapes, default_widths = "cuda", GPU_SHAPES, "1,16,32,64,128,1024"
     widths = [int(m) for m in (args.widths or default_widths).split(",")]
-    measure(shapes, widths, args.configs, device)
+    bandwidth = read_bandwidth(device)
+    measure(shapes, widths, args.configs, device, bandwidth)
     if args.probe:
-        probe(shapes, device)
+        probe(shapes, device, bandwidth)
 
 
 if __name__ == "__main__":
