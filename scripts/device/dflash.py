@@ -8,6 +8,8 @@ acceptance is set by an oracle: a drafter that runs the artifact's real draft (i
 but proposes the known greedy continuation, wrong at draft index a, so that every verifying step accepts
 exactly a drafts and emits a + 1 tokens. Rows: plain decode; the real draft's own proposals; the oracle at
 a = 0, 1, 3, 7, ... up to k (all accepted). Each row is one request of NEW_TOKENS tokens after a short prompt.
+Its verifying steps are counted: a request whose drafts all fail decodes without drafts for a while (scheduler.py),
+so rows with nothing accepted run mostly plain steps.
 The floor: the weights read per step (target alone for plain decode; target and draft for a verifying step)
 over the measured copy bandwidth. Prints one markdown table last; rows past --seconds are left out.
 """
@@ -66,7 +68,8 @@ def timed(executor: Executor, prompt: list[int], config: RunnerConfig, drafter=N
     finally:
         runner.close()
     return {"tokens": completion.token_ids, "tokens_per_second": len(completion.token_ids) / seconds,
-            "seconds": seconds, "tokens_per_verify_step": accepted / steps + 1 if steps else None}
+            "seconds": seconds, "verify_steps": steps,
+            "tokens_per_verify_step": accepted / steps + 1 if steps else None}
 
 
 def check_unchanged(run: dict, plain: dict) -> None:
@@ -128,12 +131,13 @@ def main() -> None:
                                 for name, run, per_step, floor in rows]}, file, indent=1)
     print(f"total seconds: {time.monotonic() - started:.0f}; k = {k} drafts (block {block}); weights: target "
           f"{target_bytes / 1e6:.1f} MB, draft {draft_bytes / 1e6:.1f} MB; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"| batch 1, {executor.device} | tokens per step | tok/s | weight-read floor tok/s | of floor |")
-    print("|---|---|---|---|---|")
+    print(f"| batch 1, {executor.device} | tokens per step | verifying steps | tok/s | weight-read floor tok/s "
+          "| of floor |")
+    print("|---|---|---|---|---|---|")
     for name, run, per_step, floor_ms in rows:
         floor_tps = 1000 * per_step / floor_ms
-        print(f"| {name} | {per_step:.2f} | {run['tokens_per_second']:,.1f} | {floor_tps:,.0f} | "
-              f"{run['tokens_per_second'] / floor_tps:.0%} |")
+        print(f"| {name} | {per_step:.2f} | {run['verify_steps']} | {run['tokens_per_second']:,.1f} | "
+              f"{floor_tps:,.0f} | {run['tokens_per_second'] / floor_tps:.0%} |")
 
 
 if __name__ == "__main__":
