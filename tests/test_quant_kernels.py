@@ -94,8 +94,8 @@ def test_every_small_m_candidate_matches_reference(kernels, fmt):
             try:
                 out = kernels.launch_small_m(x, qweight, scales, zeros, perm, bits, group_size, config)
             except OutOfResources:
-                # fp32 tiles of 64 rows by 256 int4 columns outgrow an H200's shared memory, and the tuner skips
-                # what the GPU refuses; bf16 models are what they serve, and in bf16 every tile fits.
+                # fp32 dot tiles of 256 int4 columns, 3-4 pipeline stages deep, outgrow an H200's shared memory
+                # (250-655 KB), and the tuner skips what the GPU refuses; in bf16, what models serve, all fit.
                 x16, scales16 = x.bfloat16(), scales.bfloat16()
                 out = kernels.launch_small_m(x16, qweight, scales16, zeros, perm, bits, group_size, config).float()
                 ref16 = reference_quant_linear(x16.float(), qweight, scales16.float(), zeros, perm, bits, group_size)
