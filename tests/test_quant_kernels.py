@@ -65,9 +65,9 @@ def format_id(fmt) -> str:
     return "int{}-n{}-k{}-g{}-z{}-p{}".format(fmt[0], fmt[1], fmt[2], fmt[3], int(fmt[4]), int(fmt[5]))
 
 
-def check(out: torch.Tensor, ref: torch.Tensor) -> None:
+def check(out: torch.Tensor, ref: torch.Tensor, msg: str | None = None) -> None:
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()), msg=msg)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=format_id)
@@ -102,7 +102,7 @@ def test_every_small_m_candidate_matches_reference(kernels, fmt):
                 torch.testing.assert_close(out, ref16, atol=2e-2 * float(ref16.abs().max()), rtol=2e-2,
                                            msg=config.name)
                 continue
-            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()), msg=config.name)
+            check(out, ref, config.name)
 
 
 def test_both_scale_paths_are_exercised(kernels):
