@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from pt2serve.contract import FP8_FORMAT
 from pt2serve.errors import Pt2ServeError
 from pt2serve.export.defaults import (
     DEFAULT_DRAFT_SIZES,
@@ -77,7 +78,8 @@ def export_command(
     jobs: Optional[int] = typer.Option(None, help="Parallel compile workers (default: one per core, at most 8; fewer when GPU memory is short)."),
     device_index: int = typer.Option(0, help="GPU to build on."),
     quantize: Optional[str] = typer.Option(
-        None, help="Weight-only quantization of the linear layers: int8 (symmetric) or int4 (with zero points)."
+        None, help="Quantize the linear layers: fp8 (e4m3 weights with a scale per output channel, activations "
+        "quantized per token; GPUs from sm_89), or weight-only int8 (symmetric) or int4 (with zero points)."
     ),
     group_size: Optional[int] = typer.Option(
         None, help="Inputs sharing one scale with --quantize (default: 128 for int4, a whole row for int8)."
@@ -214,6 +216,10 @@ def describe_quantization_record(record: dict | None) -> str:
     """One line for `inspect`: e.g. 'int4 rtn, group 128, zero points; LM head and embedding not quantized'."""
     if record is None:
         return "none"
+    if record.get("format") == FP8_FORMAT:
+        head = "LM head quantized" if record["lm_head"] else "LM head and embedding not quantized"
+        return (f"fp8 e4m3 {record['method']}, {record['weight_scales']} weight scales, {record['activations']} "
+                f"activation scales; {record['num_layers_quantized']} layers; {head}")
     groups = f"group {record['group_size']}" if record["group_size"] else "one group per row"
     zeros = "symmetric" if record["symmetric"] else "zero points"
     order = ", act-order" if record["act_order"] else ""

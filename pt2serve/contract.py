@@ -25,6 +25,14 @@ WEIGHTS_PREFIX = "data/pt2serve/weights/"
 
 SCRATCH_CELL = 0
 
+# The quantization record's "format" of an artifact whose linear layers hold e4m3 weights (model/fp8.py).
+FP8_FORMAT = "fp8-e4m3"
+
+
+def is_fp8(metadata: dict) -> bool:
+    """Whether an artifact's metadata describes FP8 linear layers."""
+    return (metadata.get("quantization") or {}).get("format") == FP8_FORMAT
+
 FORWARD_OTHERS = "forward_others"
 SAMPLE = "sample"
 SAMPLE_ARGMAX = "sample_argmax"

@@ -24,14 +24,14 @@ class EagerPeer:
     def __init__(self, executor: Executor) -> None:
         from pt2serve.model.config import ModelConfig
         from pt2serve.model.model import Transformer
-        from pt2serve.model.quant import formats_from_weights, install_quantized_modules
+        from pt2serve.model.quant import install_from_record
 
         artifact = executor.artifact
         with torch.device("meta"):
             model = Transformer(ModelConfig.from_dict(artifact.metadata.raw["model_config"]))
         quantization = artifact.metadata.raw.get("quantization")
         if quantization is not None:
-            install_quantized_modules(model, formats_from_weights(artifact.weights, quantization))
+            install_from_record(model, artifact.weights, quantization)
         # The artifact's device weights themselves (assign: no copy); the rotary table is a buffer.
         state = {name: artifact.weights[name] for name in model.state_dict()}
         model.load_state_dict(state, assign=True)

@@ -2,7 +2,8 @@
 
 Measured once per run on the device in use:
   - bandwidth: a large device-to-device copy (bytes read + bytes written, over the best time);
-  - matrix throughput: a square matmul in the artifact's dtype (2 n^3 FLOPs over the best time).
+  - matrix throughput: a square matmul in the artifact's dtype (2 n^3 FLOPs over the best time); for an
+    artifact whose linear layers are FP8, a square e4m3 torch._scaled_mm, which is what its wide steps run.
 On a CPU the sizes are picked so each measurement takes well under a second.
 
 A step's limit (see StepCost):
@@ -24,7 +25,8 @@ import torch
 
 from pt2serve.bench.timing import StepShape
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2, "uint8": 1, "int64": 8}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2, "uint8": 1, "int64": 8,
+                "float8_e4m3fn": 1}
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                  "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,13 +45,14 @@ class MachineLimits:
         return asdict(self)
 
 
-def measure_limits(device: torch.device | str, dtype: str) -> MachineLimits:
+def measure_limits(device: torch.device | str, dtype: str, fp8_matmuls: bool = False) -> MachineLimits:
     device = torch.device(device)
     torch_dtype = _TORCH_DTYPES[dtype]
     started = time.perf_counter()
     if device.type == "cuda":
         bandwidth, copy_bytes = _cuda_bandwidth(device)
-        flops, size = _cuda_matmul(device, torch_dtype)
+        flops, size = _cuda_fp8_matmul(device) if fp8_matmuls else _cuda_matmul(device, torch_dtype)
+        dtype = "fp8 e4m3" if fp8_matmuls else dtype
         torch.cuda.empty_cache()
     else:
         bandwidth, copy_bytes = _cpu_bandwidth(device)
@@ -86,6 +89,17 @@ def _cuda_matmul(device: torch.device, dtype: torch.dtype) -> tuple[float, int]:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     seconds = _cuda_best(lambda: torch.mm(a, b), repeats=10)
+    del a, b
+    return 2 * n ** 3 / seconds, n
+
+
+def _cuda_fp8_matmul(device: torch.device) -> tuple[float, int]:
+    n = 8192
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    scale_a, scale_b = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    seconds = _cuda_best(lambda: torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b,
+                                                  out_dtype=torch.bfloat16), repeats=10)
     del a, b
     return 2 * n ** 3 / seconds, n
 

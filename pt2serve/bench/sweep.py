@@ -40,6 +40,7 @@ from pt2serve.bench.peer import EagerPeer
 from pt2serve.bench.roofline import MachineLimits, ModelCost, measure_limits, step_cost
 from pt2serve.bench.stats import median
 from pt2serve.bench.timing import StepTiming, TimedExecutor
+from pt2serve.contract import is_fp8
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.request import FinishReason
@@ -249,7 +250,7 @@ def sweep_executor(
         raise Pt2ServeError("the executor's KV pool is in use; sweep an idle executor")
     plans = [plan_row(t, options, raw, capacity) for t in resolve_tokens(options.tokens, raw["max_step_tokens"])]
     _say(progress, f"measuring memory bandwidth and matrix throughput on {executor.device}")
-    limits = measure_limits(executor.device, raw["dtype"])
+    limits = measure_limits(executor.device, raw["dtype"], fp8_matmuls=is_fp8(raw))
     cost = ModelCost.from_metadata(raw)
     rng = np.random.default_rng(options.seed)
     peer = EagerPeer(executor) if options.eager_peer else None

@@ -3,6 +3,7 @@
 For every weight shape of the model and every static width up to SMALL_M_MAX, each launch config of the
 small-M kernels (kernels/linear_choice.py) is timed against cuBLAS; the fastest config is chosen unless
 cuBLAS beats it by more than the timing noise (a tie goes to the Triton kernel: see Timing.chosen). A
+FP8 weight is timed the same way on e4m3 operands (kinds fp8-linear / fp8-swiglu), against torch._scaled_mm. A
 quantized weight always runs its own small-M kernel at these widths (kernels/quant_linear_triton.py): a few
 launch configs of it (tuning_candidates) are timed on random packed weights of the weight's shape and
 format, and the fastest is chosen (the default config, which an untuned export runs, is one of them). The
@@ -25,8 +26,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from pt2serve.kernels.fp8_linear import has_kernel_shape
 from pt2serve.kernels.graph_timing import graph_replay_ms
 from pt2serve.kernels.linear_choice import (
+    FP8_LINEAR,
+    FP8_SWIGLU,
     SMALL_M_MAX,
     LaunchConfig,
     LinearChoices,
@@ -35,6 +39,7 @@ from pt2serve.kernels.linear_choice import (
     candidates,
     choice_key,
 )
+from pt2serve.model.fp8 import Fp8Linear
 from pt2serve.model.model import Embedding, Linear, Transformer
 from pt2serve.model.quant import QuantizedEmbedding, QuantizedLinear
 
@@ -47,7 +52,8 @@ MARGIN = 0.02
 
 @dataclass(frozen=True)
 class MatmulShape:
-    kind: str  # "linear", "swiglu" for a stacked gate/up projection whose activation is fused, or quant.kind
+    kind: str  # "linear", "swiglu" for a stacked gate/up projection whose activation is fused, their fp8 twins,
+    # or quant.kind
     rows: int  # of the weight (for swiglu: gate and up together)
     cols: int  # the weight's inputs (K)
     quant: QuantFormat | None = None  # a quantized weight's format
@@ -104,6 +110,8 @@ def model_matmuls(model: Transformer) -> dict[MatmulShape, int]:
     def add_projection(module, kind: str = "linear") -> None:
         if type(module) in (Linear, Embedding):
             add(MatmulShape(kind, *module.weight.shape))
+        elif isinstance(module, Fp8Linear) and has_kernel_shape(*module.weight.shape):
+            add(MatmulShape(FP8_SWIGLU if kind == "swiglu" else FP8_LINEAR, *module.weight.shape))
         elif isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
             add(_quantized_shape(module))
 
@@ -111,7 +119,7 @@ def model_matmuls(model: Transformer) -> dict[MatmulShape, int]:
         attn, mlp = layer.self_attn, layer.mlp
         for projection in (attn.qkv_proj, attn.o_proj, mlp.down_proj):
             add_projection(projection)
-        add_projection(mlp.gate_up_proj, "swiglu")  # a quantized one is a plain matmul, then the activation
+        add_projection(mlp.gate_up_proj, "swiglu")  # an integer one is a plain matmul, then the activation
     add_projection(model.embed_tokens if model.lm_head is None else model.lm_head)  # a tied head: the embedding
     return calls
 
@@ -129,7 +137,9 @@ def tune(model: Transformer, widths: tuple[int, ...], show_progress: bool = True
     timings = []
     with tqdm(total=len(shapes) * len(widths), desc="timing matmul kernels", disable=not show_progress) as bar:
         for shape in shapes:
-            if shape.quant is None:
+            if shape.kind in (FP8_LINEAR, FP8_SWIGLU):
+                weights, time_shape = _rotation(shape, device, torch.float8_e4m3fn), _time_fp8_shape
+            elif shape.quant is None:
                 weights, time_shape = _rotation(shape, device, dtype), _time_shape
             else:
                 weights, time_shape = _quantized_rotation(shape, device, dtype), _time_quantized_shape
@@ -144,7 +154,7 @@ def tune(model: Transformer, widths: tuple[int, ...], show_progress: bool = True
 
 def _rotation(shape: MatmulShape, device, dtype) -> list[torch.Tensor]:
     copies = rotation_copies(shape.rows * shape.cols * dtype.itemsize)
-    return [torch.randn(shape.rows, shape.cols, device=device, dtype=dtype) * 0.02 for _ in range(copies)]
+    return [(torch.randn(shape.rows, shape.cols, device=device) * 0.02).to(dtype) for _ in range(copies)]
 
 
 def rotation_copies(nbytes: int) -> int:
@@ -172,8 +182,33 @@ def _time_shape(shape: MatmulShape, width: int, weights: list[torch.Tensor], dev
     return Timing(shape, width, dtype, cublas_ms, best, times.get(best, float("inf")))
 
 
+def _time_fp8_shape(shape: MatmulShape, width: int, weights: list[torch.Tensor], device, dtype) -> Timing:
+    """The small-M kernels on e4m3 operands against torch._scaled_mm (both after the activation's quantization,
+    which either path runs the same way)."""
+    from pt2serve.kernels import small_m_linear
+
+    x_q = torch.randn(width, shape.cols, device=device).to(torch.float8_e4m3fn)
+    x_scale = torch.rand(width, 1, device=device) * 0.01
+    w_scale = torch.rand(shape.rows, device=device) * 0.01
+    swiglu = shape.kind == FP8_SWIGLU
+
+    def scaled_mm(w: torch.Tensor) -> torch.Tensor:
+        out = torch._scaled_mm(x_q, w.t(), scale_a=x_scale, scale_b=w_scale[None, :], out_dtype=dtype)
+        if swiglu:  # the method's other kernel: the activation (its silu and multiply, one pass)
+            gate, up = out.chunk(2, dim=-1)
+            out = torch.mul(gate, up)
+        return out
+
+    baseline_ms = graph_replay_ms(lambda: [scaled_mm(w) for w in weights], REPLAYS) / len(weights)
+    times = _time_configs(candidates(width, swiglu), weights,
+                          lambda config, w: small_m_linear.launch(x_q, w, swiglu, config, (x_scale, w_scale)))
+    best = min(times, key=times.get, default=None)
+    return Timing(shape, width, dtype, baseline_ms, best, times.get(best, float("inf")), baseline="scaled_mm")
+
+
 def _time_configs(configs: list, weights: list, launch) -> dict:
     """Milliseconds of one call of each config that runs on this GPU (launch(config, weight))."""
+    from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
     times = {}
@@ -181,7 +216,9 @@ def _time_configs(configs: list, weights: list, launch) -> dict:
         try:
             work = lambda: [launch(config, w) for w in weights]  # noqa: E731
             times[config] = graph_replay_ms(work, REPLAYS) / len(weights)
-        except OutOfResources:  # tiles this GPU cannot hold (fp32 in shared memory): not a candidate here
+        # Tiles this GPU cannot hold (fp32 in shared memory), or operands its compiler refuses in a tile (e4m3
+        # tl.dot has minimum sizes per architecture): not candidates here.
+        except (OutOfResources, CompilationError):
             continue
     return times
 

@@ -41,7 +41,7 @@ class ExportOptions:
     min_prefill_chunk: int = DEFAULT_MIN_PREFILL_CHUNK
     jobs: int | None = None  # None: a sensible number for the machine
     device_index: int = 0
-    quantize: str | None = None  # "int8" or "int4": weight-only quantization of the linear layers
+    quantize: str | None = None  # "fp8", "int8" or "int4" (weight-only): quantization of the linear layers
     group_size: int | None = None  # None: the scheme's default (int4: 128, int8: one group per row)
     quantize_lm_head: bool = False
     quantize_embedding: bool = False
@@ -143,9 +143,9 @@ class ExportOptions:
         if self.jobs is not None and self.jobs < 1:
             raise Pt2ServeError(f"--jobs must be at least 1, got {self.jobs}")
         if self.quantize is None and (self.group_size is not None or self.quantize_lm_head or self.quantize_embedding):
-            raise Pt2ServeError("--group-size, --quantize-lm-head and --quantize-embedding need --quantize int8|int4")
+            raise Pt2ServeError("--group-size, --quantize-lm-head and --quantize-embedding need --quantize fp8|int8|int4")
         if self.quantize is not None:
-            QuantScheme.from_flags(self.quantize, self.group_size, False, False)  # raises on a bad value
+            self.quant_scheme  # noqa: B018  (raises on a bad value or combination)
         if self.graph_entries < 1:
             raise Pt2ServeError(f"--graph-entries must be at least 1, got {self.graph_entries}")
         if self.min_prefill_chunk < 1:

@@ -90,7 +90,10 @@ class QuantFormat:
         return f"int{self.bits}g{self.group_size}" + "-zeros" * self.has_zeros + "-perm" * self.has_perm
 
 
-DENSE_KINDS = ("linear", "swiglu")
+# FP8 weights (kernels/fp8_linear.py) run the same small-M kernels on e4m3 operands: their own kinds, since
+# their timings differ from bf16's at the same shape.
+FP8_LINEAR, FP8_SWIGLU = "fp8-linear", "fp8-swiglu"
+DENSE_KINDS = ("linear", "swiglu", FP8_LINEAR, FP8_SWIGLU)
 
 
 # gemv holds BLOCK_M x BLOCK_N x BLOCK_K fp32 products per program (two sets with SwiGLU): at most this many
@@ -172,6 +175,11 @@ def using(choices: LinearChoices) -> Iterator[None]:
         _active = previous
 
 
+def dense_choice(kind: str, x: torch.Tensor, weight: torch.Tensor) -> LaunchConfig | None:
+    """The small-M kernel config the export chose for this kind of weight at x's width, if any."""
+    return _active.lookup(kind, x, weight)
+
+
 def quant_choice(fmt: QuantFormat, x: torch.Tensor, n: int) -> QuantLaunchConfig | None:
     """The config the export chose for a quantized weight of n rows in this format at x's width, if any."""
     return _active.lookup_quant(fmt, x, n)
@@ -186,7 +194,7 @@ def _call(x: torch.Tensor, weight: torch.Tensor, swiglu: bool, config: LaunchCon
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the small-M kernel where the export chose it for this shape and width."""
-    config = _active.lookup("linear", x, weight)
+    config = dense_choice("linear", x, weight)
     if config is None:
         return _cublas_linear(x, weight, bias)
     out = _call(x, weight, False, config)
@@ -206,7 +214,7 @@ def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a stacked gate/up projection weight [2I, K]: one fused kernel where chosen."""
-    config = _active.lookup("swiglu", x, weight)
+    config = dense_choice("swiglu", x, weight)
     if config is None:
         gate, up = F.linear(x, weight).chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -28,6 +28,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a stacked gate/up projection, fused into its matmul where the export chose so."""
+        return swiglu_linear(x, self.weight)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -126,9 +130,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.gate_up_proj) is Linear:
-            return self.down_proj(swiglu_linear(x, self.gate_up_proj.weight))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # quantized: its own operator
+        if hasattr(self.gate_up_proj, "swiglu"):  # float and FP8 projections fuse the activation
+            return self.down_proj(self.gate_up_proj.swiglu(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # int8 / int4: their own operator
         return self.down_proj(F.silu(gate) * up)
 
 

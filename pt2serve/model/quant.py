@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pt2serve.errors import Pt2ServeError
+from pt2serve.contract import FP8_FORMAT
+from pt2serve.model.fp8 import describe_fp8, fp8_names_from_weights, install_fp8_modules, quantize_model_fp8
 from pt2serve.kernels.quant_linear import (
     INT4_BLOCK_COLUMNS,
     SUPPORTED_BITS,
@@ -32,7 +34,7 @@ from pt2serve.kernels.quant_linear import (
     values_per_byte,
 )
 
-SCHEMES = {"int8": 8, "int4": 4}
+SCHEMES = {"int8": 8, "int4": 4, "fp8": 8}  # fp8: model/fp8.py's e4m3 layers, activations quantized too
 DEFAULT_GROUP_SIZE = {8: None, 4: 128}  # None: one group per output row
 QUANTIZED_SUFFIXES = ("qweight", "scales", "zeros", "perm")
 # How qweight's bytes hold the values (kernels/quant_linear.py), recorded in the artifact: the eager peer
@@ -48,6 +50,7 @@ class QuantScheme:
     group_size: int | None  # None: one group per output row
     lm_head: bool = False  # quantize the LM head too (with tied embeddings: the shared matrix)
     embedding: bool = False  # quantize the input embedding too (with tied embeddings: the shared matrix)
+    is_fp8: bool = False  # e4m3 weights with per-channel scales (model/fp8.py) instead of integers
 
     @property
     def symmetric(self) -> bool:
@@ -59,6 +62,14 @@ class QuantScheme:
         if name not in SCHEMES:
             raise Pt2ServeError(f"--quantize must be one of {', '.join(SCHEMES)}, got {name!r}")
         bits = SCHEMES[name]
+        if name == "fp8":
+            if group_size is not None:
+                raise Pt2ServeError("--group-size does not apply to --quantize fp8: its weights have one scale per "
+                                    "output channel and its activations one per token")
+            if embedding:
+                raise Pt2ServeError("--quantize-embedding does not apply to --quantize fp8: the embedding is a row "
+                                    "gather, whose bytes no step is bound by; use int8 or int4 to shrink it")
+            return cls(bits, None, lm_head, False, is_fp8=True)
         if group_size is not None:
             if group_size < 2:
                 raise Pt2ServeError(f"--group-size must be at least 2, got {group_size}")
@@ -198,6 +209,12 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> None:
     """RTN-quantize the model's linear layers (and the head / embedding when the scheme says so) in place."""
     names = quantizable_linears(model)
     tied = model.lm_head is None
+    if scheme.is_fp8:
+        if scheme.lm_head and tied:
+            raise Pt2ServeError("--quantize-lm-head with fp8 needs an untied LM head: this model's head is its "
+                                "embedding, which fp8 leaves unquantized")
+        quantize_model_fp8(model, names + ["lm_head"] * scheme.lm_head)
+        return
     if scheme.embedding or (tied and scheme.lm_head):
         names.append("embed_tokens")
     if scheme.lm_head and not tied:
@@ -252,6 +269,9 @@ def quantized_modules(model: nn.Module) -> dict[str, _PackedRows]:
 
 def describe_quantization(model: nn.Module, method: str) -> dict[str, Any] | None:
     """The artifact's quantization record (None for a float model): method, bits, groups, what is quantized."""
+    fp8 = describe_fp8(model, method)
+    if fp8 is not None:
+        return fp8
     modules = quantized_modules(model)
     if not modules:
         return None
@@ -273,6 +293,14 @@ def describe_quantization(model: nn.Module, method: str) -> dict[str, Any] | Non
         "lm_head": "lm_head" in modules or (tied and "embed_tokens" in modules),
         "embedding": "embed_tokens" in modules,
     }
+
+
+def install_from_record(model: nn.Module, weight_names: Iterable[str], record: dict[str, Any]) -> None:
+    """Swap in the empty quantized layers an artifact's weights and quantization record describe."""
+    if record.get("format") == FP8_FORMAT:
+        install_fp8_modules(model, fp8_names_from_weights(weight_names))
+    else:
+        install_quantized_modules(model, formats_from_weights(weight_names, record))
 
 
 def formats_from_weights(names: Iterable[str], record: dict[str, Any]) -> dict[str, LinearFormat]:

@@ -36,12 +36,16 @@ from pt2serve.contract import (
     content_hash,
     draft_name,
     forward_name,
+    is_fp8,
 )
 from pt2serve.errors import Pt2ServeError
 
-# Weights: floats, plus the packed integers, zero points (uint8) and input orders (int64) of quantized layers.
+# Weights: floats, FP8 layers' e4m3 values, and the packed integers, zero points (uint8) and input orders
+# (int64) of integer-quantized layers.
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8,
-           "int64": torch.int64}
+           "int64": torch.int64, "float8_e4m3fn": torch.float8_e4m3fn}
+# FP8 tensor-core instructions arrived with Ada (sm_89) and Hopper (sm_90).
+_FP8_MIN_CAPABILITY = (8, 9)
 _KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 # Weights are read in pieces of this size: on the CPU straight into the weight's own tensor, on a GPU into one
@@ -107,6 +111,11 @@ class Metadata:
     @property
     def method_names(self) -> tuple[str, ...]:
         return tuple(self.raw["methods"])
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the linear layers hold e4m3 weights (the quantization record's format)."""
+        return is_fp8(self.raw)
 
 
 _REQUIRED_FIELDS = (
@@ -224,6 +233,12 @@ def check_machine(metadata: Metadata, device: torch.device) -> None:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         here = f"sm_{major}{minor}"
+        if metadata.is_fp8 and (major, minor) < _FP8_MIN_CAPABILITY:
+            raise Pt2ServeError(
+                f"this artifact's linear layers are FP8, which needs a GPU of compute capability 8.9 or later (Ada, "
+                f"Hopper); this GPU ({torch.cuda.get_device_name(device)}) is {here}: export it without "
+                "--quantize fp8 (or with int8 / int4) for this GPU"
+            )
         if built.get("gpu_arch") and built["gpu_arch"] != here:
             raise Pt2ServeError(
                 f"this artifact was built for {built['gpu_arch']} ({built.get('gpu_name')}), but this GPU is {here}; "
