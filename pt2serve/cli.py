@@ -195,10 +195,13 @@ def describe_linear_kernels(record: dict | None, backend: str) -> str:
         return "cuBLAS (not tuned)" if backend == "cuda" else "not tuned (tuning needs a GPU)"
     # Quantized timings name a default config as their baseline; records from before they were timed name none.
     dense = [t for t in record["timings"] if t.get("baseline", "cuBLAS") == "cuBLAS"]
+    fp8 = [t for t in record["timings"] if t.get("baseline") == "scaled_mm"]
     parts = []
     if dense:
         parts.append(f"Triton kernel for {sum(t['chosen'] for t in dense)} of {len(dense)} shape x width")
-    quantized = len(record["timings"]) - len(dense)
+    if fp8:
+        parts.append(f"FP8: Triton kernel for {sum(t['chosen'] for t in fp8)} of {len(fp8)} (else _scaled_mm)")
+    quantized = len(record["timings"]) - len(dense) - len(fp8)
     if quantized:
         parts.append(f"quantized kernel config tuned for {quantized} shape x width")
     widths = "; ".join("M={}: {:.2f} -> {:.2f} ms".format(width, *_untuned_and_tuned(ms))

