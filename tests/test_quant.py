@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import save_file
 
 from pt2serve.errors import Pt2ServeError
+from pt2serve.export import inductor_fixes
 from pt2serve.export.options import ExportOptions
-from pt2serve.kernels.quant_linear import dequantize, pack, reference_quant_linear, unpack
+from pt2serve.kernels.quant_linear import dequantize, pack, quant_linear, reference_quant_linear, unpack
 from pt2serve.model.checkpoint import load_checkpoint, load_model
 from pt2serve.model.eager import EagerSequence, greedy_generate
 from pt2serve.model.presets import build_preset_model, toy_greedy_continuation
@@ -75,6 +76,97 @@ def test_reference_applies_the_input_permutation():
     weight = torch.empty_like(stored)
     weight[:, perm] = stored
     torch.testing.assert_close(reference_quant_linear(x, pack(weight_q, 4), scales, None, perm, 4, 4), x @ weight.T)
+
+
+# Widths no multiple of the 256-column int4 block or of the group: toy-greedy's hidden size and MLP, Qwen2.5-0.5B's
+# hidden size, one short block alone, and one whose last group is 2 wide.
+ODD_WIDTHS = (320, 896, 128, 96, 130)
+GROUP_SIZES = (32, 64, 128, 256, None)  # None: one group per row
+ODD_ROWS = 5
+# The formats RTN exports: int4 with zero points, int8 symmetric; then the others a checkpoint may bring.
+EXPORTED_FORMATS = [(4, False), (8, True)]
+FORMATS = EXPORTED_FORMATS + [(4, True), (8, False)]
+
+
+def independent_unpack(qweight: torch.Tensor, bits: int, num_columns: int) -> torch.Tensor:
+    """The values [N, K] the format description says qweight holds, column by column."""
+    if bits == 8:
+        return qweight.long()
+    byte_of, shift_of = [], []
+    for column in range(num_columns):
+        start = column - column % 256
+        block = min(256, num_columns - start)
+        offset = column - start
+        byte_of.append(start // 2 + offset % (block // 2))
+        shift_of.append(0 if offset < block // 2 else 4)
+    return (qweight.long()[:, byte_of] >> torch.tensor(shift_of)) & 15
+
+
+def independent_dequantize(qweight, scales, zeros, bits: int, group_size: int, num_columns: int) -> torch.Tensor:
+    group = torch.arange(num_columns) // group_size
+    zero = 2 ** (bits - 1) if zeros is None else zeros.long()[:, group]
+    return (independent_unpack(qweight, bits, num_columns) - zero) * scales[:, group]
+
+
+def odd_format(bits: int, symmetric: bool, num_columns: int, group_size: int):
+    """Random (qweight, scales, zeros) of ODD_ROWS rows."""
+    gen = torch.Generator().manual_seed(num_columns * 1000 + group_size)
+    num_groups = -(-num_columns // group_size)
+    q = torch.randint(0, 2**bits, (ODD_ROWS, num_columns), generator=gen)
+    scales = torch.rand(ODD_ROWS, num_groups, generator=gen) + 0.1
+    # An int4 zero may be 16 (GPTQ's offset): one past the largest value, as far as a byte holds.
+    top = min(2**bits, 255)
+    zeros = None if symmetric else torch.randint(0, top + 1, (ODD_ROWS, num_groups), generator=gen).to(torch.uint8)
+    return pack(q, bits), scales, zeros
+
+
+def odd_shapes(short_last_group_only: bool = False) -> list[tuple[int, int]]:
+    """(K, group size) for every odd width and group size (per row: the width)."""
+    shapes = [(k, g or k) for k in ODD_WIDTHS for g in GROUP_SIZES]
+    if short_last_group_only:
+        return [(k, g) for k, g in shapes if g < k and k % g]
+    return shapes
+
+
+@pytest.mark.parametrize("bits,symmetric", FORMATS)
+def test_odd_widths_unpack_dequantize_and_multiply_as_the_format_says(bits, symmetric):
+    for num_columns, group_size in odd_shapes():
+        case = (num_columns, group_size)
+        qweight, scales, zeros = odd_format(bits, symmetric, num_columns, group_size)
+        assert qweight.shape == (ODD_ROWS, num_columns * bits // 8), case
+        values = independent_unpack(qweight, bits, num_columns)
+        assert torch.equal(unpack(qweight, bits).long(), values), case
+        assert torch.equal(pack(values, bits), qweight), case
+        weight = independent_dequantize(qweight, scales, zeros, bits, group_size, num_columns)
+        assert torch.equal(dequantize(qweight, scales, zeros, bits, group_size), weight), case
+        x = torch.randn(3, num_columns)
+        torch.testing.assert_close(quant_linear(x, qweight, scales, zeros, None, bits, group_size), x @ weight.T,
+                                   msg=lambda m: f"{case}: {m}")
+
+
+def test_odd_widths_compiled_write_every_group():
+    """quant_linear and an embedding's dequantize as exports compile them on the CPU (Inductor's C++ code with
+    pt2serve's fixes), every short last group of the exported formats in one graph. Unfixed, the loop over a
+    row's columns, indexed by column // group_size, was split into (K // group_size) x group_size iterations:
+    the short last group was never written and held whatever memory the output was given."""
+    from torch._inductor import config as inductor_config
+
+    cases = [(bits, k, g, *odd_format(bits, symmetric, k, g))
+             for bits, symmetric in EXPORTED_FORMATS for k, g in odd_shapes(short_last_group_only=True)]
+    inputs = [torch.randn(3, k) for _, k, *_ in cases]
+
+    def run(inputs):
+        return [(quant_linear(x, qweight, scales, zeros, None, bits, g), dequantize(qweight, scales, zeros, bits, g))
+                for x, (bits, _, g, qweight, scales, zeros) in zip(inputs, cases)]
+
+    inductor_fixes.apply()
+    with inductor_config.patch(force_disable_caches=True):  # a graph cached before the fixes would hide them
+        compiled = torch.compile(run, dynamic=False, fullgraph=True)(inputs)
+    for x, (bits, k, g, qweight, scales, zeros), (out, weight) in zip(inputs, cases, compiled):
+        case = (bits, k, g)
+        expected = independent_dequantize(qweight, scales, zeros, bits, g, k)
+        assert torch.equal(weight, expected), case
+        torch.testing.assert_close(out, x @ expected.T, msg=lambda m: f"{case}: {m}")
 
 
 # --------------------------------------------------------------------------------------------- RTN

@@ -7,6 +7,13 @@ variable and nothing declares it in the new buffer, and the wrapper fails to com
 not declared in this scope"). Which export hits it depends on the kernels chosen and on memory addresses,
 so a tuned 8B export failed where the same model untuned did not. Keeping every buffer the cache has seen
 alive until the wrapper itself goes makes each id name one buffer, so each buffer gets its declarations.
+
+Columns left unwritten by a C++ kernel: where a loop variable is divided by a constant (column // 128: each
+column's quantization group), the C++ backend splits that loop into (range // 128) x 128 to drop the
+division, without checking that 128 divides the range. A loop of 320 columns became 2 x 128: the last 64
+columns of the output were never written, and the method returned whatever that memory held (an int4
+export of toy-greedy, hidden size 320, groups of 128, answered mostly token 0, differently run to run).
+The split is left out wherever a loop variable's range is not a multiple of its divisor.
 """
 
 from __future__ import annotations
@@ -17,11 +24,16 @@ _applied = False
 
 
 def apply() -> None:
-    """Patch the wrapper generator once per process; a torch without the cache is left alone."""
+    """Patch the code generators once per process; a torch without the patched methods is left alone."""
     global _applied
     if _applied:
         return
     _applied = True
+    _declare_int_arrays_in_each_buffer()
+    _split_loops_only_evenly()
+
+
+def _declare_int_arrays_in_each_buffer() -> None:
     try:
         from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
     except ImportError:
@@ -38,3 +50,35 @@ def apply() -> None:
         return original(self, int_array, writeline, *args, **kwargs)
 
     CppWrapperCpu.codegen_int_array_var = codegen_int_array_var
+
+
+def _split_loops_only_evenly() -> None:
+    try:
+        import sympy
+        from torch._inductor import ir
+        from torch._inductor.codegen.cpp import CppScheduling
+        from torch.utils._sympy.functions import FloorDiv
+    except ImportError:
+        return
+    original = getattr(CppScheduling, "try_loop_split", None)
+    if original is None:
+        return
+
+    def divides_unevenly(node) -> bool:
+        """Whether some loop variable of the node is divided by a constant that does not divide its range."""
+        if not isinstance(node.node, ir.ComputedBuffer):
+            return False
+        _, body, _ = node.node.get_default_sizes_body()
+        divisions = [division for expr in body.indexing_exprs.values() if isinstance(expr, sympy.Expr)
+                     for division in expr.find(FloorDiv)]
+        # A symbolic range (a dynamic dim) counts as uneven: nothing says the divisor divides it.
+        return any(dividend in body.var_ranges and divisor.is_Integer and body.var_ranges[dividend] % divisor != 0
+                   for dividend, divisor in (division.args for division in divisions))
+
+    @functools.wraps(original)
+    def try_loop_split(self, nodes):
+        if any(divides_unevenly(node) for node in nodes):
+            return nodes
+        return original(self, nodes)
+
+    CppScheduling.try_loop_split = try_loop_split
