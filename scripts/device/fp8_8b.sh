@@ -10,7 +10,7 @@
 #   sweep     bench sweep of decode widths and two wide steps, then the kernel profile of T = 1, 32, 64
 #   serving   scripts/device/http_overhead.sh: 64 x 512 / 128 in process and through serve-artifact
 #             (needs the server's wheels in .whl/, see serving_8b.sh)
-# SKIP="step ..." leaves steps out. --poll prints each step's state and its log's tail.
+# SKIP="step ..." leaves steps out. --poll prints each step's state and its log's tail and copies logs and JSON to $OUT.
 set -uo pipefail
 CHAIN=/tmp/fp8
 STEPS=(kernels toy export sweep serving)
@@ -21,7 +21,7 @@ if [ "${1:-}" = "--poll" ]; then
     echo "== $step: $state"
     [ "$state" = waiting ] || tail -"${TAIL:-12}" "$CHAIN/$step.log" 2>/dev/null
   done
-  [ -n "${OUT:-}" ] && cp "$CHAIN"/*.json "$OUT"/ 2>/dev/null
+  [ -n "${OUT:-}" ] && cp "$CHAIN"/*.json "$CHAIN"/*.log "$OUT"/ 2>/dev/null
   exit 0
 fi
 
