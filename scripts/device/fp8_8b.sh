@@ -21,7 +21,8 @@ if [ "${1:-}" = "--poll" ]; then
     echo "== $step: $state"
     [ "$state" = waiting ] || tail -"${TAIL:-12}" "$CHAIN/$step.log" 2>/dev/null
   done
-  [ -n "${OUT:-}" ] && cp "$CHAIN"/*.json "$CHAIN"/*.log "$OUT"/ 2>/dev/null
+  # At most 8 files come back from a device call: the measurements, not every log.
+  [ -n "${OUT:-}" ] && cp "$CHAIN"/*.json "$CHAIN"/sweep.log "$CHAIN"/serving.log "$OUT"/ 2>/dev/null
   exit 0
 fi
 
