@@ -7,7 +7,8 @@
 #   toy       toy-greedy exported --quantize fp8 (tuned), then scripts/device/graphs_check.py: every width's
 #             tokens against the designed ones with graphs on and off (beside the 8B's export: it is small)
 #   export    llama-3.1-8b exported --quantize fp8 (tuned), --max-context 4096, to /tmp/fp8.pt2
-#   sweep     bench sweep of decode widths and two wide steps, then the kernel profile of T = 1, 32, 64
+#   sweep     bench sweep of decode widths and two wide steps, decodes at context 4,000, then the kernel
+#             profile of T = 1, 32, 64
 #   serving   scripts/device/http_overhead.sh: 64 x 512 / 128 in process and through serve-artifact
 #             (needs the server's wheels in .whl/, see serving_8b.sh)
 # SKIP="step ..." leaves steps out. --poll prints each step's state and its log's tail and copies logs and JSON to $OUT.
@@ -54,6 +55,8 @@ export_8b() {
 sweep() {
   python3 -m pt2serve.cli bench "$ARTIFACT" --mode sweep --tokens 1,2,4,8,16,32,64,1024,4096 --warmup 3 --iters 10 \
     --json "$CHAIN/sweep.json" 2>&1 | grep -v "Warning\|warn("
+  python3 -m pt2serve.cli bench "$ARTIFACT" --mode sweep --tokens 1,32,64 --context 4000 --warmup 3 --iters 10 \
+    --no-eager-peer --json "$CHAIN/sweep-4000.json" 2>&1 | grep -v "Warning\|warn("
   python3 scripts/device/profile_step.py "$ARTIFACT" 1 32 64 2>&1 | grep -v "USDT\|Warning"
 }
 
