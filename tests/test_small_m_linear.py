@@ -259,15 +259,17 @@ def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkey
     assert set(choices.configs) == {t.key for t in timings if t.width == 1}
 
 
-def test_inspect_sums_up_dense_and_quantized_choices():
+def test_inspect_sums_up_dense_fp8_and_quantized_choices():
     from pt2serve.cli import describe_linear_kernels
 
     timings = [{"baseline": "cuBLAS", "chosen": True}, {"baseline": "cuBLAS", "chosen": False},
+               {"baseline": "scaled_mm", "chosen": True}, {"baseline": "scaled_mm", "chosen": False},
+               {"baseline": "scaled_mm", "chosen": True},
                {"baseline": "default gemv m1 n16 b128 w4 s1 k4", "chosen": True}]
     record = {"timings": timings, "step_matmuls_ms": {"1": {"untuned": 1.0, "tuned": 0.75}}}
     assert describe_linear_kernels(record, "cuda") == (
-        "Triton kernel for 1 of 2 shape x width, quantized kernel config tuned for 1 shape x width; "
-        "untuned -> tuned: M=1: 1.00 -> 0.75 ms")
+        "Triton kernel for 1 of 2 shape x width, FP8: Triton kernel for 2 of 3 (else _scaled_mm), quantized "
+        "kernel config tuned for 1 shape x width; untuned -> tuned: M=1: 1.00 -> 0.75 ms")
     earlier = {"timings": [{"cublas_us": 3.0, "chosen": True}],  # before quantized weights were tuned
                "step_matmuls_ms": {"4": {"cublas": 2.0, "chosen": 1.5}}}
     assert describe_linear_kernels(earlier, "cuda") == (
