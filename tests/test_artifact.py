@@ -133,6 +133,9 @@ def make_bad_artifacts(src: Path, tmp: Path) -> dict[str, tuple[Path, str, str |
                        and i.filename.endswith(".so"))
     flip_byte(damaged_method, library)
     cases["damaged-method"] = (damaged_method, "method forward_2 is damaged", None)
+    empty_library = tmp / "empty-library.pt2"
+    rewrite_zip(src, empty_library, replace={library.filename.split("/", 1)[-1]: b""})
+    cases["empty-library"] = (empty_library, "method forward_2's compiled library is empty", None)
 
     # -- weights
     largest = max(meta["weights"], key=lambda w: int(np.prod(w["shape"])))
@@ -293,7 +296,7 @@ def bad_artifact_results(tiny_artifact, tmp_path_factory):
 
 
 BAD_CASES = [
-    "truncated", "not-a-zip", "no-such-path", "missing-method", "damaged-method", "tampered-weights",
+    "truncated", "not-a-zip", "no-such-path", "missing-method", "damaged-method", "empty-library", "tampered-weights",
     "tampered-small-weight", "old-hash-scheme-tampered", "unknown-hash-scheme",
     "missing-weight", "weight-wrong-size", "weight-compressed", "weight-truncated", "method-needs-absent-weight",
     "no-metadata", "metadata-not-json", "metadata-not-an-object", "metadata-missing-fields",

@@ -379,8 +379,11 @@ def _check_records(archive: zipfile.ZipFile, metadata: Metadata, path: Path) -> 
     for method in metadata.method_names:
         prefix = f"data/aotinductor/{metadata.internal_name(method)}/"
         files = [info for suffix, info in by_suffix.items() if suffix.startswith(prefix)]
-        if not any(info.filename.endswith(".so") for info in files):
+        libraries = [info for info in files if info.filename.endswith(".so")]
+        if not libraries:
             raise Pt2ServeError(f"{path} is incomplete: method {method} has no compiled library; re-export it")
+        if any(info.file_size == 0 for info in libraries):  # seen once: a compile whose output was cut short
+            raise Pt2ServeError(f"{path}: method {method}'s compiled library is empty; re-export it")
         for info in files:
             try:
                 archive.read(info.filename)  # zipfile checks each record's CRC as it reads

@@ -11,6 +11,7 @@
 #             profile of T = 1, 32, 64
 #   serving   scripts/device/http_overhead.sh: 64 x 512 / 128 in process and through serve-artifact
 #             (needs the server's wheels in .whl/, see serving_8b.sh)
+# FORWARD_SIZES narrows the 8B's static widths (fewer methods: a shorter export), SWEEP_TOKENS the sweep's rows.
 # SKIP="step ..." leaves steps out. --poll prints each step's state and its log's tail and copies logs and JSON to $OUT.
 set -uo pipefail
 CHAIN=/tmp/fp8
@@ -49,11 +50,13 @@ toy() {
 
 export_8b() {
   python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache --preset llama-3.1-8b --quantize fp8 \
-    --max-context 4096 -o "$ARTIFACT" && python3 -m pt2serve.cli inspect "$ARTIFACT"
+    --max-context 4096 --forward-sizes "${FORWARD_SIZES:-1,2,4,8,16,32,64}" -o "$ARTIFACT" \
+    && python3 -m pt2serve.cli inspect "$ARTIFACT"
 }
 
 sweep() {
-  python3 -m pt2serve.cli bench "$ARTIFACT" --mode sweep --tokens 1,2,4,8,16,32,64,1024,4096 --warmup 3 --iters 10 \
+  python3 -m pt2serve.cli bench "$ARTIFACT" --mode sweep --tokens "${SWEEP_TOKENS:-1,2,4,8,16,32,64,1024,4096}" \
+    --warmup 3 --iters 10 \
     --json "$CHAIN/sweep.json" 2>&1 | grep -v "Warning\|warn("
   python3 -m pt2serve.cli bench "$ARTIFACT" --mode sweep --tokens 1,32,64 --context 4000 --warmup 3 --iters 10 \
     --no-eager-peer --json "$CHAIN/sweep-4000.json" 2>&1 | grep -v "Warning\|warn("
