@@ -689,6 +689,20 @@ def test_cli_serves_until_signalled_then_exits_0(tiny_artifact, sig):
     assert "Traceback" not in stderr
 
 
+def test_cli_logs_at_info_why_a_request_was_refused_and_the_fields_it_ignored(tiny_artifact):
+    served = ServeProcess(tiny_artifact, "--log-level", "info")
+    try:
+        with httpx.Client(base_url=served.url, timeout=30) as http:
+            ignored = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "frobnicate": 1})
+            assert ignored.status_code == 200
+            assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}).status_code == 400
+    finally:
+        code, stderr = served.stop()
+    assert code == 0, stderr
+    assert re.search(r"INFO: +ignoring unknown request fields: frobnicate", stderr), stderr
+    assert re.search(r"INFO: +POST /v1/completions answered 400 invalid_value \(param max_tokens\): ", stderr), stderr
+
+
 def test_cli_reports_a_missing_artifact_without_traceback(tmp_path):
     missing = tmp_path / "missing.pt2"
     result = subprocess.run([sys.executable, "-m", "pt2serve.cli", "serve-artifact", str(missing)],

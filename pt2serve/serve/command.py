@@ -7,6 +7,7 @@ SIGINT drains it (see shutdown.py) and it exits 0.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +31,16 @@ from pt2serve.runtime_flags import (
 DEVICES = ("cuda", "cpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 KEEP_ALIVE_S = 15
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging setup plus the project's loggers at `level`, printed the way uvicorn prints its own
+    (without this, pt2serve's info lines, such as why a request was refused, go nowhere)."""
+    from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["pt2serve"] = {"handlers": ["default"], "level": LOG_LEVELS[level], "propagate": False}
+    return config
 
 
 def serve_artifact_command(
@@ -62,7 +73,8 @@ def serve_artifact_command(
     model_name: Optional[str] = typer.Option(None, help="The model id clients send (default: the file's stem)."),
     default_max_tokens: Optional[int] = typer.Option(None, help="Tokens a request without max_tokens may generate "
                                                      "(default: up to the end of the context, as OpenAI does)."),
-    log_level: str = typer.Option("warning", help="uvicorn's log level (info shows each request)."),
+    log_level: str = typer.Option("warning", help="The server's log level, uvicorn's and pt2serve's (info shows each "
+                                  "request, why a request was refused and the request fields it ignored)."),
 ) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
     from pt2serve.cli import fail
@@ -107,7 +119,8 @@ def serve_artifact_command(
     # After draining, connections get timeout_graceful_shutdown to send their last bytes (a stalled reader).
     # Idle keep-alive connections outlive the 5 s after which httpx (and so the openai client) stops reusing
     # them: with equal timeouts a client may send on a connection the server is closing, and lose the request.
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_config=log_config(log_level),
+                                           log_level=log_level,
                                            limit_concurrency=max_connections, timeout_keep_alive=KEEP_ALIVE_S,
                                            timeout_graceful_shutdown=5, server_header=False), app.state.pt2serve)
     loader = BackgroundLoader(app, server, lambda: open_runner(artifact, device, executor_config, runner_config),
