@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import re
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.serve import completions
 from pt2serve.serve.app import attach_runner, create_app
+from pt2serve.serve.command import default_threads
 from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.generation import EventBridge
 from servers import ServeProcess, ServerThread
@@ -677,6 +679,7 @@ def test_cli_serves_until_signalled_then_exits_0(tiny_artifact, sig):
     try:
         assert served.load_line.startswith("loaded in ") and "KV pool" in served.load_line
         assert "graphs" in served.load_line and re.search(r"; ready [\d.]+ s after launch$", served.load_line.rstrip())
+        assert f"; CPU threads: {default_threads()};" in served.load_line
         assert served.ready_line.startswith("serving cli-model at http://127.0.0.1:")
         assert served.ready_line.rstrip().endswith("(ready)")
         assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
@@ -690,8 +693,9 @@ def test_cli_serves_until_signalled_then_exits_0(tiny_artifact, sig):
 
 
 def test_cli_logs_at_info_why_a_request_was_refused_and_the_fields_it_ignored(tiny_artifact):
-    served = ServeProcess(tiny_artifact, "--log-level", "info")
+    served = ServeProcess(tiny_artifact, "--log-level", "info", "--threads", "2")
     try:
+        assert "; CPU threads: 2;" in served.load_line
         with httpx.Client(base_url=served.url, timeout=30) as http:
             ignored = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "frobnicate": 1})
             assert ignored.status_code == 200
@@ -701,6 +705,15 @@ def test_cli_logs_at_info_why_a_request_was_refused_and_the_fields_it_ignored(ti
     assert code == 0, stderr
     assert re.search(r"INFO: +ignoring unknown request fields: frobnicate", stderr), stderr
     assert re.search(r"INFO: +POST /v1/completions answered 400 invalid_value \(param max_tokens\): ", stderr), stderr
+
+
+def test_the_server_leaves_a_core_to_its_event_loop(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert default_threads() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert default_threads() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert default_threads() == 15
 
 
 def test_cli_reports_a_missing_artifact_without_traceback(tmp_path):

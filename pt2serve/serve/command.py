@@ -8,6 +8,7 @@ SIGINT drains it (see shutdown.py) and it exits 0.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +32,18 @@ from pt2serve.runtime_flags import (
 DEVICES = ("cuda", "cpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 KEEP_ALIVE_S = 15
+
+
+def default_threads() -> int:
+    """The CPU threads torch computes with unless told: one fewer than the cores this process may run on, at
+    least one. The event loop, the engine thread and tokenizing need a core of their own: on a 2-core host,
+    torch's default of every core stalled each in-flight request for 3-41 s at a time under load, and one
+    thread finished the same load in 0.5 s."""
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use (a cpuset, taskset)
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def log_config(level: str) -> dict:
@@ -73,6 +86,10 @@ def serve_artifact_command(
     model_name: Optional[str] = typer.Option(None, help="The model id clients send (default: the file's stem)."),
     default_max_tokens: Optional[int] = typer.Option(None, help="Tokens a request without max_tokens may generate "
                                                      "(default: up to the end of the context, as OpenAI does)."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads torch computes with (default: one fewer than the "
+                                          "cores this process may use, at least 1, so the event loop and the engine "
+                                          "thread keep a core; all of them made requests stall for seconds on a "
+                                          "2-core host). The load line says how many."),
     log_level: str = typer.Option("warning", help="The server's log level, uvicorn's and pt2serve's (info shows each "
                                   "request, why a request was refused and the request fields it ignored)."),
 ) -> None:
@@ -88,13 +105,18 @@ def serve_artifact_command(
         fail(f"--port must be in [0, 65535], got {port}")
     if max_sessions < 0:
         fail(f"--max-sessions must not be negative, got {max_sessions}")
+    if threads is not None and threads < 1:
+        fail(f"--threads must be at least 1, got {threads}")
     if not artifact.is_file():
         fail(f"{artifact} does not exist or is not a file")
     from pt2serve.prefetch import prefetch
 
     prefetch(artifact)  # the file comes off the disk while torch and the server are imported
 
+    import torch
     import uvicorn
+
+    torch.set_num_threads(threads or default_threads())
 
     from pt2serve.runtime.engine import describe_load, open_runner
     from pt2serve.runtime.executor import ExecutorConfig
@@ -125,7 +147,7 @@ def serve_artifact_command(
                                            timeout_graceful_shutdown=5, server_header=False), app.state.pt2serve)
     loader = BackgroundLoader(app, server, lambda: open_runner(artifact, device, executor_config, runner_config),
                               ready_message=lambda url: f"serving {config.model_name} at {url}/v1 (ready)",
-                              describe=describe_load)
+                              describe=lambda runner: f"{describe_load(runner)}; CPU threads: {torch.get_num_threads()}")
     loader.start()
     server.run()
     if loader.error is not None:
