@@ -591,6 +591,25 @@ def test_full_queue_answers_429(strict, slow_engine):
     assert response.status_code == 200, response.text
 
 
+def test_a_full_queue_answers_429_before_tokenizing_or_compiling_a_grammar(strict, slow_engine, monkeypatch):
+    """A burst past the queue is refused at once: a 429 waits for no tokenizer and no grammar compiler (each
+    runs on the thread pool, where a burst queues them)."""
+    work = []
+    with httpx.Client(base_url=strict, headers=AUTH, timeout=30) as http:
+        with http.stream("POST", COMPLETIONS, json=LONG) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            monkeypatch.setattr(completions, "_prompt_ids", lambda *args: work.append("tokenized"))
+            monkeypatch.setattr(completions, "_compile_grammar", lambda *args: work.append("compiled"))
+            for body in ({**OK, "guided_regex": "[ab]+"}, {"model": MODEL, "messages": [{"role": "user",
+                                                                                        "content": "hi"}]}):
+                path = COMPLETIONS if "prompt" in body else CHAT
+                rejected = http.post(path, json=body)
+                assert rejected.status_code == 429 and rejected.json()["error"]["code"] == "queue_full"
+            list(lines)
+    assert work == []
+
+
 def cells_used(url: str) -> float:
     """Cells held by requests: those in use but the prefix cache's."""
     samples = metrics(url, AUTH)
