@@ -351,6 +351,7 @@ def test_draining_cuts_what_outlasts_the_timeout(slow_server):
     assert 0 < len(came) < 240
     response = waiting["response"]
     assert response.status_code == 503 and response.json()["error"]["code"] == "cancelled"
+    assert response.headers["Retry-After"] == "1"  # every 503 says when to come back
     assert_stops_by_itself(draining_server)
 
 
