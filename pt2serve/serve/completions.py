@@ -66,7 +66,7 @@ async def handle(request: Request, state: ServerState, chat: bool) -> Response:
     generations = _start(runner, state, req, arrived, prompts, max_tokens, sampling, session_id, grammar)
     render = Rendering(
         fmt=ChatFormat(config.model_name) if chat else CompletionFormat(config.model_name),
-        texts=TokenTexts(runner.tokenizer),
+        texts=TokenTexts(runner.tokenizer, req.tokens_as_ids),
         prompts=prompts,
         echoed=[_echo_text(runner, p, ids) for p, ids in zip(req.prompts, prompts)] if req.echo else None,
         logprobs=req.logprobs is not None,

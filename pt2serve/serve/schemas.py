@@ -46,7 +46,7 @@ REFUSED_EXTENSIONS = frozenset({
     "continue_final_message", "add_generation_prompt",
     "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs", "functions", "function_call",
     "audio", "modalities", "web_search_options", "reasoning_effort", "verbosity", "logits_processors",
-    "vllm_xargs", "nvext", "priority", "return_tokens_as_token_ids",
+    "vllm_xargs", "nvext", "priority",
 })
 
 
@@ -84,6 +84,7 @@ class _Common(BaseModel):
     guided_regex: str | None = None  # or is one of the given strings
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    return_tokens_as_token_ids: bool | None = False  # extension, as vLLM's: logprobs name tokens "token_id:N"
 
 
 class _CompletionBody(_Common):
@@ -133,6 +134,7 @@ class GenerationRequest:
     tool_choice: str = "none"  # "none", "auto", "required", or the name of the one function to call
     parallel_tool_calls: bool = True
     echo: bool = False  # completions: the prompt's text (and its logprobs, with logprobs) before the completion
+    tokens_as_ids: bool = False  # logprobs name every token "token_id:N"
 
     @property
     def num_choices(self) -> int:
@@ -242,6 +244,7 @@ def _request(body: _Common, *, max_tokens: int | None, prompts=None, messages=No
         min_tokens=body.min_tokens or 0,
         logprobs=logprobs,
         echo=echo,
+        tokens_as_ids=bool(body.return_tokens_as_token_ids),
         **chat,
     )
 
