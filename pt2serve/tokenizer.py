@@ -107,6 +107,10 @@ class Tokenizer:
         """One token's own text, special tokens included (what logprobs name a token by)."""
         return self._tok.decode([token], skip_special_tokens=False)
 
+    def token_piece(self, token: int) -> str | None:
+        """The token as the vocabulary spells it (a byte-level vocabulary's "Ġhi" for " hi")."""
+        return self._tok.id_to_token(token)
+
     def token_bytes(self, token: int) -> bytes | None:
         """One token's own bytes. A token that holds part of a UTF-8 character decodes alone to U+FFFD; its
         bytes come from the vocabulary then (byte-level BPE, SentencePiece byte fallback), None where the
@@ -122,20 +126,30 @@ class Tokenizer:
             return bytes(_BYTE_OF_CHAR[char] for char in piece)
         return None
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> str:
         """The prompt text for a chat (and the tools it may call); the template adds bos itself when it wants one."""
         extra = {"tools": tools} if tools is not None else {}
         try:
-            return self._chat.render(messages=messages, add_generation_prompt=True, **extra,
+            return self._chat.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra,
                                      **self.files.special_tokens)
         except jinja2.TemplateError as err:
             raise Pt2ServeError(f"chat template failed: {err}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, add_bos: bool | None = None) -> list[int]:
+        """The chat's prompt ids; `add_bos` None adds bos as the chat endpoint does."""
         # As transformers' apply_chat_template: a checkpoint's template writes every special token the
         # model wants (a ChatML template on a tokenizer with a bos gets none); the plain fallback writes
         # none, so the prompt starts with bos as encoded text does.
-        return self.encode(self.render_chat(messages, tools), add_bos=self.files.chat_template is None)
+        if add_bos is None:
+            add_bos = self.files.chat_template is None
+        return self.encode(self.render_chat(messages, tools, add_generation_prompt), add_bos=add_bos)
+
+    @property
+    def chat_template(self) -> str:
+        """The template chats are rendered with: the checkpoint's, or the plain fallback."""
+        return self.files.chat_template or PLAIN_CHAT_TEMPLATE
 
 
 def _decodes_byte_level(tok: HFTokenizer) -> bool:

@@ -486,6 +486,40 @@ def test_bad_request(server, path, body, status, message, param):
     assert "Traceback" not in response.text
 
 
+def test_the_tokenizer_endpoints_answer_as_vllms_and_as_the_generating_endpoints_tokenize(server, strict, runner):
+    messages = [{"role": "user", "content": "hi"}]
+    with httpx.Client(base_url=server, timeout=30) as http:
+        text = http.post("/tokenize", json={"model": MODEL, "prompt": "h\u00e9llo"}).json()
+        assert text == {"count": 7, "max_model_len": runner.max_context, "tokens": [256, *"h\u00e9llo".encode()],
+                        "token_strs": None}
+        bare = http.post("/tokenize", json={"prompt": " hi", "add_special_tokens": False, "return_token_strs": True})
+        assert bare.json()["tokens"] == [32, 104, 105] and bare.json()["token_strs"] == ["\u0120", "h", "i"]
+        chat = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+        done = http.post(CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 1}).json()
+        assert chat["count"] == done["usage"]["prompt_tokens"]
+        assert chat["tokens"] == runner.tokenizer.encode_chat(messages)
+        unprompted = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        assert unprompted["count"] < chat["count"] and chat["tokens"][:unprompted["count"]] == unprompted["tokens"]
+        detokenized = http.post("/detokenize", json={"model": MODEL, "tokens": text["tokens"]})
+        assert detokenized.json() == {"prompt": "h\u00e9llo"}
+        info = http.get("/tokenizer_info").json()
+        assert (info["bos_token"], info["eos_token"]) == ("<|bos|>", "<|eos|>")
+        assert info["chat_template"] == runner.tokenizer.chat_template
+        assert info["model_max_length"] == runner.max_context
+        # lm-eval's remote tokenizer finds the eos id so
+        assert http.post("/tokenize", json={"prompt": "<|eos|>", "add_special_tokens": False}).json()["tokens"] == [257]
+        for path, body, param in (("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                                  ("/tokenize", {"prompt": 3}, "prompt"),
+                                  ("/tokenize", {"messages": [{"role": "robot"}]}, "messages.0.role"),
+                                  ("/detokenize", {"tokens": [VOCAB]}, "tokens"),
+                                  ("/detokenize", {"tokens": "ab"}, "tokens")):
+            refused = http.post(path, json=body)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        assert http.post("/tokenize", json={"model": "other", "prompt": "a"}).status_code == 404
+    assert httpx.post(f"{strict}/tokenize", json={"prompt": "a"}).status_code == 401
+    assert httpx.post(f"{strict}/tokenize", json={"prompt": "a"}, headers=AUTH).json()["count"] == 2
+
+
 def test_oversized_body_and_unknown_route(server):
     huge = json.dumps({"model": MODEL, "prompt": "x" * (5 * 1024 * 1024)}).encode()
     response = httpx.post(f"{server}{COMPLETIONS}", content=huge, headers={"Content-Type": "application/json"})

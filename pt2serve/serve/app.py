@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pt2serve.runtime.runner import Runner
-from pt2serve.serve import completions
+from pt2serve.serve import completions, tokenization
 from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.errors import ApiError, UnexpectedErrors
 from pt2serve.serve.openai_format import model_card, model_list
@@ -87,6 +87,19 @@ def create_app(config: ServerConfig, runner: Runner | None = None, owns_runner: 
     @api.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         return await completions.handle(request, state, chat=True)
+
+    # vLLM's tokenizer endpoints (tokenization.py), at the root as vLLM serves them.
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await tokenization.tokenize(request, state))
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await tokenization.detokenize(request, state))
+
+    @api.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokenization.tokenizer_info(state))
 
     app.include_router(api)
     return app
