@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -705,6 +706,70 @@ def test_disconnect_while_waiting_for_a_whole_completion(strict, slow_engine, ca
     assert not [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
+# -- connections ------------------------------------------------------------------------------------------
+
+
+def connect(url: str, count: int) -> list[socket.socket]:
+    host, port = url.removeprefix("http://").split(":")
+    return [socket.create_connection((host, int(port)), timeout=5) for _ in range(count)]
+
+
+def assert_closed_by_the_server(sockets: list[socket.socket], within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    for sock in sockets:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            assert sock.recv(1) == b""
+        except ConnectionResetError:
+            pass
+
+
+def test_silent_connections_are_closed_and_keep_no_request_out(runner):
+    """600 sockets that never send a request (one client opened them and left them): requests, /health and
+    /metrics are answered meanwhile, and the server closes every one after the header timeout, and a socket
+    that sends part of its headers and stops too. (They were held for ever, and past 512 of them every request
+    got a 503.)"""
+    thread = ServerThread(create_app(ServerConfig(model_name=MODEL, header_timeout_s=1.0), runner)).start()
+    silent = connect(thread.url, 600)
+    try:
+        stalled = connect(thread.url, 1)[0]
+        stalled.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never ends its headers
+        with httpx.Client(base_url=thread.url, timeout=10) as http:
+            assert http.get("/health").json() == {"status": "ok"}
+            assert http.get("/metrics").status_code == 200
+            assert http.post(COMPLETIONS, json=OK).status_code == 200
+        assert_closed_by_the_server(silent + [stalled], within_s=10)
+    finally:
+        for sock in silent:
+            sock.close()
+        thread.stop()
+
+
+def test_past_the_connection_budget_waiting_connections_give_way_and_requests_get_503_but_health(runner):
+    config = ServerConfig(model_name=MODEL, max_connections=4, max_queued=1, header_timeout_s=60)
+    thread = ServerThread(create_app(config, runner)).start()
+    silent = connect(thread.url, 4)
+    uploading = []
+    try:
+        with httpx.Client(base_url=thread.url, timeout=10) as http:
+            assert http.post(COMPLETIONS, json=OK).status_code == 200
+            assert_closed_by_the_server(silent[:1], within_s=5)  # the longest waiting, long before its timeout
+            # Requests whose bodies never come stay in progress: four fill the budget.
+            uploading = connect(thread.url, 4)
+            for sock in uploading:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            time.sleep(0.2)
+            refused = http.post(COMPLETIONS, json=OK)
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+            assert refused.json()["error"]["code"] == "too_many_requests"
+            assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+            assert metrics(thread.url)['pt2serve_requests_rejected_total{status="503"}'] >= 1
+    finally:
+        for sock in silent + uploading:
+            sock.close()
+        thread.stop()
+
+
 # -- metrics and CLI ------------------------------------------------------------------------------------------
 
 
@@ -746,7 +811,7 @@ def test_cli_serves_until_signalled_then_exits_0(tiny_artifact, sig):
 
 
 def test_cli_logs_at_info_why_a_request_was_refused_and_the_fields_it_ignored(tiny_artifact):
-    served = ServeProcess(tiny_artifact, "--log-level", "info", "--threads", "2")
+    served = ServeProcess(tiny_artifact, "--log-level", "info", "--threads", "2", "--header-timeout", "5")
     try:
         assert "; CPU threads: 2;" in served.load_line
         with httpx.Client(base_url=served.url, timeout=30) as http:

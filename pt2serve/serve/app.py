@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pt2serve.runtime.runner import Runner
 from pt2serve.serve import completions, tokenization
 from pt2serve.serve.config import ServerConfig
+from pt2serve.serve.connections import RequestBudget
 from pt2serve.serve.errors import ApiError, UnexpectedErrors
 from pt2serve.serve.openai_format import model_card, model_list
 from pt2serve.serve.state import ServerState
@@ -134,6 +135,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         return await api_error(request, ApiError(400, "the request is malformed"))
 
     app.add_middleware(UnexpectedErrors)
+    app.add_middleware(RequestBudget, limit=state.config.max_connections, on_refused=state.metrics.request_rejected)
 
 
 def _answer(request: Request, err: ApiError) -> JSONResponse:

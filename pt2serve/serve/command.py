@@ -31,7 +31,6 @@ from pt2serve.runtime_flags import (
 
 DEVICES = ("cuda", "cpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-KEEP_ALIVE_S = 15
 
 
 def default_threads() -> int:
@@ -68,8 +67,12 @@ def serve_artifact_command(
         None, help="How long a session's cells stay pinned after its last request (default: the runner's, 10 minutes)."
     ),
     max_queued: int = typer.Option(256, help="Requests running or queued before new ones are answered with 429."),
-    max_connections: int = typer.Option(512, help="Open connections before new requests are answered with 503 "
-                                        "(must exceed --max-queued)."),
+    max_connections: int = typer.Option(512, help="Open connections: beyond them the one that has waited longest "
+                                        "for a request is closed; and requests in progress, beyond which a request "
+                                        "gets 503, but /health and /metrics (must exceed --max-queued)."),
+    header_timeout: float = typer.Option(10.0, help="Seconds a connection has to send a request's headers, from "
+                                         "opening or from its first byte after a response, before it is closed "
+                                         "(an idle keep-alive connection is closed after 15 s)."),
     drain_timeout: float = typer.Option(30.0, help="On SIGTERM/SIGINT: seconds running requests may take to finish "
                                         "before they are cut; new requests get 503 meanwhile."),
     prefix_cache_enabled: Optional[bool] = prefix_cache_option(),
@@ -114,7 +117,6 @@ def serve_artifact_command(
     prefetch(artifact)  # the file comes off the disk while torch and the server are imported
 
     import torch
-    import uvicorn
 
     torch.set_num_threads(threads or default_threads())
 
@@ -123,12 +125,14 @@ def serve_artifact_command(
     from pt2serve.runtime.runner import RunnerConfig
     from pt2serve.serve.app import create_app
     from pt2serve.serve.config import ServerConfig
+    from pt2serve.serve.connections import uvicorn_config
     from pt2serve.serve.loader import BackgroundLoader
     from pt2serve.serve.shutdown import DrainingServer
 
     try:
         config = ServerConfig(model_name=model_name or artifact.stem, api_key=api_key, max_queued=max_queued,
-                              max_connections=max_connections, drain_timeout_s=drain_timeout,
+                              max_connections=max_connections, header_timeout_s=header_timeout,
+                              drain_timeout_s=drain_timeout,
                               default_max_tokens=default_max_tokens)
         executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
         runner_config = RunnerConfig(**step_budget(token_budget, max_decode_sequences, min_prefill_chunk),
@@ -139,15 +143,14 @@ def serve_artifact_command(
 
     app = create_app(config)
     # After draining, connections get timeout_graceful_shutdown to send their last bytes (a stalled reader).
-    # Idle keep-alive connections outlive the 5 s after which httpx (and so the openai client) stops reusing
-    # them: with equal timeouts a client may send on a connection the server is closing, and lose the request.
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_config=log_config(log_level),
-                                           log_level=log_level,
-                                           limit_concurrency=max_connections, timeout_keep_alive=KEEP_ALIVE_S,
-                                           timeout_graceful_shutdown=5, server_header=False), app.state.pt2serve)
+    server = DrainingServer(uvicorn_config(app, host=host, port=port, log_config=log_config(log_level),
+                                           log_level=log_level, timeout_graceful_shutdown=5), app.state.pt2serve)
+    def describe(runner) -> str:
+        return f"{describe_load(runner)}; CPU threads: {torch.get_num_threads()}"
+
     loader = BackgroundLoader(app, server, lambda: open_runner(artifact, device, executor_config, runner_config),
                               ready_message=lambda url: f"serving {config.model_name} at {url}/v1 (ready)",
-                              describe=lambda runner: f"{describe_load(runner)}; CPU threads: {torch.get_num_threads()}")
+                              describe=describe)
     loader.start()
     server.run()
     if loader.error is not None:
