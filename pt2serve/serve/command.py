@@ -67,9 +67,10 @@ def serve_artifact_command(
         None, help="How long a session's cells stay pinned after its last request (default: the runner's, 10 minutes)."
     ),
     max_queued: int = typer.Option(256, help="Requests running or queued before new ones are answered with 429."),
-    max_connections: int = typer.Option(512, help="Open connections: beyond them the one that has waited longest "
-                                        "for a request is closed; and requests in progress, beyond which a request "
-                                        "gets 503, but /health and /metrics (must exceed --max-queued)."),
+    max_connections: int = typer.Option(512, help="Bounds open connections (past it, the one that has waited "
+                                        "longest for a request is closed) and requests in progress (past it, a "
+                                        "request gets 503; /health and /metrics are always answered). Must exceed "
+                                        "--max-queued."),
     header_timeout: float = typer.Option(10.0, help="Seconds a connection has to send a request's headers, from "
                                          "opening or from its first byte after a response, before it is closed "
                                          "(an idle keep-alive connection is closed after 15 s)."),
