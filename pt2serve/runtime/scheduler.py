@@ -234,6 +234,7 @@ class Scheduler:
         prefilling = [r for r in self._running if r not in scheduled and not self.requests[r].is_decoding]
         order = sorted(prefilling + list(self._waiting), key=lambda r: _prefill_priority(self.requests[r]))
         admitting = True
+        reserve = None  # the running requests' next cells (see _fits), counted once and kept up to date
         for request_id in order:
             if budget <= 0:
                 break
@@ -241,10 +242,13 @@ class Scheduler:
             if request is None or request_id in scheduled or request.num_unresolved:
                 continue  # (a preempted request waits for its in-flight sample before it is recomputed)
             if request.status is RequestStatus.WAITING:
-                if not admitting or not self._fits(request):
+                if admitting and reserve is None:
+                    reserve = sum(_next_cells(self.requests[r]) for r in self._running)
+                if not admitting or not self._fits(request, reserve):
                     admitting = False  # first come, first served: no one after it either
                     continue
                 self._admit(request)
+                reserve += _next_cells(request)
             count = min(request.num_pending, budget)
             if count < request.num_pending and count < self.config.min_prefill_chunk and scheduled:
                 continue  # too small a piece to be worth a cut; a later step gives it a full chunk
@@ -257,7 +261,10 @@ class Scheduler:
                 # request stuck for good once none of them could decode.
                 admitting = False
                 continue
+            needed_before = _next_cells(request)
             scheduled[request_id] = self._chunk(request, count)
+            if reserve is not None:  # the chunk's cells are allocated: no longer needed later
+                reserve -= needed_before - _next_cells(request)
             request.last_prefill_step = self.step
             budget -= count
 
@@ -277,10 +284,10 @@ class Scheduler:
             request.stats.first_scheduled_step = self.step
         return ScheduledChunk(request.id, start, count + len(drafts), samples, uniform, previous, drafts)
 
-    def _fits(self, request: Request) -> bool:
+    def _fits(self, request: Request, reserve: int) -> bool:
         """Whether a waiting request can be admitted: the cells free, or held only by the cache, cover all its
-        tokens still to compute and the next cells of every running request (what each has left to prefill, or
-        its next decode). Admitting it short of that only took cells the running requests need next: as the
+        tokens still to compute and `reserve`, the next cells of every running request (what each has left to
+        prefill, or its next decode). Admitting it short of that only took cells the running requests need next: as the
         latest arrival it was preempted a step later, re-admitted from its own cached cells, and preempted
         again, step after step (three 900-token prompts on a 3,000-cell pool: 299 preemptions of the third).
         Alone it always fits: its tokens fit the pool."""
@@ -289,8 +296,7 @@ class Scheduler:
         cached, cached_unheld = 0, 0
         if not request.num_computed:
             cached, cached_unheld = self.prefix_cache.peek(request.tokens, _match_limit(request))
-        needed = request.length - max(cached, request.num_computed)
-        needed += sum(max(1, self.requests[r].num_pending) for r in self._running)
+        needed = request.length - max(cached, request.num_computed) + reserve
         # Its cached cells that nobody holds count as evictable now, but it holds them once admitted.
         return needed <= self.allocator.num_free + self.prefix_cache.num_unheld_cells - cached_unheld
 
@@ -488,6 +494,11 @@ class Scheduler:
         held += self.prefix_cache.held_cells()
         owned = len(np.unique(np.concatenate(held))) if held else 0
         return self.allocator.num_used - owned
+
+
+def _next_cells(request: Request) -> int:
+    """The cells a running request needs next: the rest of its prompt, or one for its next decode."""
+    return max(1, request.num_pending)
 
 
 def _match_limit(request: Request) -> int:
