@@ -7,6 +7,7 @@ Shared by the exporter (which stores the checkpoint's tokenizer files in the art
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,25 @@ PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens (byte_fallback)
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table, in which byte-level vocabularies spell tokens."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+_BYTE_OF_CHAR = {char: byte for byte, char in byte_level_alphabet().items()}
 
 
 @dataclass(frozen=True)
@@ -63,6 +83,7 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_template_error
         env.filters["tojson"] = _tojson
         self._chat = env.from_string(files.chat_template or PLAIN_CHAT_TEMPLATE)
+        self._byte_level = _decodes_byte_level(self._tok)
 
     @property
     def vocab_size(self) -> int:
@@ -86,20 +107,57 @@ class Tokenizer:
         """One token's own text, special tokens included (what logprobs name a token by)."""
         return self._tok.decode([token], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def token_piece(self, token: int) -> str | None:
+        """The token as the vocabulary spells it (a byte-level vocabulary's "Ġhi" for " hi")."""
+        return self._tok.id_to_token(token)
+
+    def token_bytes(self, token: int) -> bytes | None:
+        """One token's own bytes. A token that holds part of a UTF-8 character decodes alone to U+FFFD; its
+        bytes come from the vocabulary then (byte-level BPE, SentencePiece byte fallback), None where the
+        vocabulary does not tell."""
+        text = self.token_text(token)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._tok.id_to_token(token) or ""
+        byte = _BYTE_FALLBACK_PIECE.fullmatch(piece)
+        if byte is not None:
+            return bytes([int(byte[1], 16)])
+        if self._byte_level and piece and all(char in _BYTE_OF_CHAR for char in piece):
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        return None
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> str:
         """The prompt text for a chat (and the tools it may call); the template adds bos itself when it wants one."""
         extra = {"tools": tools} if tools is not None else {}
         try:
-            return self._chat.render(messages=messages, add_generation_prompt=True, **extra,
+            return self._chat.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra,
                                      **self.files.special_tokens)
         except jinja2.TemplateError as err:
             raise Pt2ServeError(f"chat template failed: {err}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, add_bos: bool | None = None) -> list[int]:
+        """The chat's prompt ids; `add_bos` None adds bos as the chat endpoint does."""
         # As transformers' apply_chat_template: a checkpoint's template writes every special token the
         # model wants (a ChatML template on a tokenizer with a bos gets none); the plain fallback writes
         # none, so the prompt starts with bos as encoded text does.
-        return self.encode(self.render_chat(messages, tools), add_bos=self.files.chat_template is None)
+        if add_bos is None:
+            add_bos = self.files.chat_template is None
+        return self.encode(self.render_chat(messages, tools, add_generation_prompt), add_bos=add_bos)
+
+    @property
+    def chat_template(self) -> str:
+        """The template chats are rendered with: the checkpoint's, or the plain fallback."""
+        return self.files.chat_template or PLAIN_CHAT_TEMPLATE
+
+
+def _decodes_byte_level(tok: HFTokenizer) -> bool:
+    """Whether the tokenizer's decoder is byte-level (alone or in a sequence): its pieces spell bytes."""
+    if tok.decoder is None:
+        return False
+    decoder = json.loads(tok.decoder.__getstate__())
+    return any(d.get("type") == "ByteLevel" for d in [decoder, *decoder.get("decoders", [])])
 
 
 def _raise_template_error(message: str) -> None:

@@ -12,8 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-import uvicorn
-
+from pt2serve.serve.connections import uvicorn_config
 from pt2serve.serve.shutdown import DrainingServer
 
 TOY_MODEL = "toy"  # the name the toy_server fixture serves toy-greedy under
@@ -27,7 +26,7 @@ class ServerThread:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn_config(app, log_level="warning", timeout_graceful_shutdown=2)
         self._server = DrainingServer(config, app.state.pt2serve)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 

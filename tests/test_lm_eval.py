@@ -1,4 +1,5 @@
-"""lm-evaluation-harness against the server, as a user runs it: `local-completions` with batch_size 4.
+"""lm-evaluation-harness against the server, as a user runs it: `local-completions` with batch_size 4, with
+a Hugging Face tokenizer of the user's or, by default, the server's own (its /tokenize endpoints).
 
 Its loglikelihoods (echo + logprobs over batched token-id prompts) must equal those computed from the
 model directly, and its generations those of the runner. The tasks are two small local files written here
@@ -82,22 +83,22 @@ def served(tiny_artifact):
     runner.close()
 
 
-def test_local_completions_loglikelihoods_equal_the_models(served, tmp_path, monkeypatch):
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
-    from lm_eval.tasks import TaskManager
-
+def offline(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    url, runner, batches = served
-    write_tasks(tmp_path / "tasks")
-    write_tokenizer(tmp_path / "tokenizer")
-    lm = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=MODEL, tokenizer=str(tmp_path / "tokenizer"),
-                             tokenizer_backend="huggingface", batch_size=4, max_length=256, max_retries=1)
-    # Only the two tasks written here: indexing lm-eval's thousands of built-in task files takes seconds.
-    tasks = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
-    results = lm_eval.simple_evaluate(model=lm, tasks=["toy_mc", "toy_gen"], log_samples=True, task_manager=tasks)
 
+
+def evaluate(lm, tmp_path, tasks: list[str]) -> dict:
+    from lm_eval.tasks import TaskManager
+
+    write_tasks(tmp_path / "tasks")
+    # Only the tasks written here: indexing lm-eval's thousands of built-in task files takes seconds.
+    manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, log_samples=True, task_manager=manager)
+
+
+def assert_loglikelihoods_are_the_models(lm, results) -> None:
     model = build_preset_model("tiny", torch.float32).eval()
     mc = results["samples"]["toy_mc"]
     assert len(mc) == len(QUESTIONS)
@@ -110,6 +111,18 @@ def test_local_completions_loglikelihoods_equal_the_models(served, tmp_path, mon
             expected = sum(logp[len(context_ids) - 1 + k, t].item() for k, t in enumerate(continuation_ids))
             assert abs(loglikelihood - expected) < 1e-4, (context, continuation, loglikelihood, expected)
     assert "acc,none" in results["results"]["toy_mc"]
+
+
+def test_local_completions_loglikelihoods_equal_the_models(served, tmp_path, monkeypatch):
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    offline(monkeypatch, tmp_path)
+    url, runner, batches = served
+    write_tokenizer(tmp_path / "tokenizer")
+    lm = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=MODEL, tokenizer=str(tmp_path / "tokenizer"),
+                             tokenizer_backend="huggingface", batch_size=4, max_length=256, max_retries=1)
+    results = evaluate(lm, tmp_path, ["toy_mc", "toy_gen"])
+    assert_loglikelihoods_are_the_models(lm, results)
     assert max(batches) == 4  # batch_size 4: lists of four prompts per request
 
     generated = results["samples"]["toy_gen"]
@@ -119,3 +132,18 @@ def test_local_completions_loglikelihoods_equal_the_models(served, tmp_path, mon
         alone = runner.generate(lm.tok_encode(context), max_new_tokens=8, stop_strings=("\n",))
         assert sample["resps"][0][0] == alone.text
     assert "exact_match,none" in results["results"]["toy_gen"]
+
+
+def test_local_completions_tokenizes_through_the_server_by_default(served, tmp_path, monkeypatch):
+    """With no tokenizer named, lm-eval finds the server's /tokenizer_info and /tokenize and tokenizes there,
+    offline; without them it looks for a Hugging Face tokenizer named as the model, and fails offline."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    offline(monkeypatch, tmp_path)
+    url, runner, _ = served
+    lm = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=MODEL, batch_size=4, max_length=256,
+                             max_retries=1)
+    assert lm.tokenizer_backend == "remote"
+    assert lm.tok_encode("Snow is") == runner.tokenizer.encode("Snow is", add_bos=False)
+    assert lm.eot_token_id == runner.tokenizer.eos_token_ids[0] and lm.prefix_token_id == 256
+    assert_loglikelihoods_are_the_models(lm, evaluate(lm, tmp_path, ["toy_mc"]))

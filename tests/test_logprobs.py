@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import re
+
+import httpx
 import numpy as np
 import pytest
 import torch
 
 from pt2serve.model.eager import EagerSequence
+from pt2serve.model.presets import byte_tokenizer_files
 from pt2serve.runtime import executor as executor_module
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.artifact import load_artifact
 from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.runtime.step import Chunk
+from pt2serve.tokenizer import Tokenizer
 
 TOP = 5
+TOKENIZER = Tokenizer(byte_tokenizer_files())
 TOLERANCE = 1e-4
 
 
@@ -136,3 +142,38 @@ def test_streamed_logprobs_equal_non_streamed(chunked_client):
     chat_streamed = [e for c in chunked_client.chat.completions.create(**chat_kwargs, stream=True)
                      if c.choices and c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in chat_streamed] == [(e.token, e.logprob) for e in chat]
+
+
+def test_completion_alternatives_never_share_a_name_and_include_the_chosen_token(chunked_client, chunked_url):
+    """Each of the tiny model's bytes from 0x80 up decodes alone to U+FFFD: named by their bytes, each keeps
+    its own value (keyed by text, the chosen token at -0.187 once showed another's -3.57)."""
+    done = chunked_client.completions.create(model="tiny", prompt="Once upon", max_tokens=8, temperature=0,
+                                             logprobs=20, extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    named_by_bytes = 0
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 20  # greedy: the chosen token is the best alternative, not a 21st entry
+        assert top[token] == value and max(top, key=top.get) == token  # what lm-eval's is_greedy reads
+        named_by_bytes += sum(name.startswith("bytes:\\x") for name in top)
+    assert named_by_bytes > 0
+    byte = re.compile(r"bytes:\\x([89a-f][0-9a-f])")
+    assert all(byte.fullmatch(name) for top in lp.top_logprobs for name in top if "\ufffd" in name or
+               name.startswith("bytes:"))
+
+    with httpx.Client(base_url=chunked_url, timeout=60) as http:
+        body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 8, "temperature": 0, "logprobs": 3,
+                "ignore_eos": True, "echo": True, "return_tokens_as_token_ids": True}
+        as_ids = http.post("/v1/completions", json=body).json()["choices"][0]
+        ids = [256, *b"Once upon"]
+        generated = http.post("/v1/completions", json={**body, "prompt": ids, "echo": False}).json()
+        ids += generated["choices"][0]["token_ids"]
+        assert as_ids["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+        assert all(re.fullmatch(r"token_id:\d+", name) for top in as_ids["logprobs"]["top_logprobs"][1:]
+                   for name in top)
+        chat = http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "ignore_eos": True, "return_tokens_as_token_ids": True}).json()
+    for entry in chat["choices"][0]["logprobs"]["content"]:
+        token = int(entry["token"].removeprefix("token_id:"))
+        assert entry["bytes"] == ([token] if token < 256 else list(TOKENIZER.token_text(token).encode()))
+        assert all(alt["token"].startswith("token_id:") for alt in entry["top_logprobs"])

@@ -165,6 +165,35 @@ def test_a_disabled_cache_reuses_and_keeps_nothing():
     assert len(cache.match(2, [1, 2, 3, 4], limit=3)) == 0 and cache.hit_rate == 0.0
 
 
+def unheld_cells(cache: PrefixCache) -> int:
+    """The cells of the nodes no holder holds, counted by walking the tree."""
+    count, stack = 0, list(cache._root.children.values())
+    while stack:
+        node = stack.pop()
+        count += len(node.cells) if node.num_holders == 0 else 0
+        stack.extend(node.children.values())
+    return count
+
+
+def test_the_cells_others_computed_are_told_from_a_holders_own():
+    allocator = CellAllocator(64)
+    cache = PrefixCache(allocator)
+    first = allocator.allocate(8)
+    cache.insert(1, list(range(8)), first)
+    cache.release(1)
+    assert cache.peek(list(range(12)), 11) == (8, 8)
+    assert cache.num_unheld_cells == 8
+    cells = cache.match(2, list(range(12)), 11)  # 8 of the first's cells, then 4 of its own
+    assert cache.num_unheld_cells == 0 and cache.peek(list(range(12)), 11) == (8, 0)
+    cache.insert(2, list(range(12)), np.concatenate([cells, allocator.allocate(4)]))
+    assert cache.reused_from_others(2, 12) == 8 and cache.reused_from_others(2, 6) == 6
+    cache.release(2)
+    cache.match(3, list(range(5)) + [99], 5)  # splits the first's edge: both halves are still the first's
+    cache.match(2, list(range(12)), 11)  # the second again, as after a preemption
+    assert cache.reused_from_others(2, 12) == 8 and cache.reused_from_others(3, 6) == 5
+    assert cache.num_unheld_cells == unheld_cells(cache) == 1  # the twelfth, past what the match may take
+
+
 def test_random_requests_always_reuse_cells_that_hold_their_own_prefix():
     """Requests over families of prompts that share prefixes, under a small pool: every reused cell was
     computed for exactly that prefix, the references add up, and the pool ends empty."""
@@ -203,6 +232,8 @@ def test_random_requests_always_reuse_cells_that_hold_their_own_prefix():
         running[holder] = (tokens, np.concatenate([cells, fresh]))
         holders_refs = sum(len(c) for _, c in running.values())
         assert allocator.num_used <= cache.num_cells + holders_refs
+        assert cache.num_unheld_cells == unheld_cells(cache)
+        assert cache.peek(tokens, len(tokens))[0] >= len(cells)
     assert cache.num_hits > 50
     for holder, (_, cells) in running.items():
         cache.release(holder)

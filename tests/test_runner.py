@@ -188,7 +188,8 @@ def test_cancel_mid_prefill_and_mid_decode_frees_cells_and_spares_the_others(toy
 
 
 def test_two_hundred_mixed_requests_leave_the_pool_empty(toy_artifact):
-    runner = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=1200),
+    # Prompts wait for room rather than enter a full pool: the pressure comes from outputs that outgrow it.
+    runner = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=600),
                          runner_config=RunnerConfig(token_budget=64))
     try:
         rng = random.Random(7)
@@ -196,7 +197,7 @@ def test_two_hundred_mixed_requests_leave_the_pool_empty(toy_artifact):
         batch = random_prompts(200, seed=11)
         for prompt in batch:
             sampling = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(99))
-            handle = runner.submit(prompt, max_new_tokens=rng.randint(1, 12), sampling=sampling)
+            handle = runner.submit(prompt, max_new_tokens=rng.randint(1, 48), sampling=sampling)
             handles.append((handle, sampling))
             if rng.random() < 0.2:
                 runner.cancel(handle)
@@ -360,3 +361,24 @@ def test_the_widest_step_run_at_start_touches_no_real_cell(toy_artifact, monkeyp
         assert runner.generate(prompt, max_new_tokens=6).token_ids == toy_greedy_continuation(prompt, 6)
     finally:
         runner.close()
+
+
+def test_long_prompts_on_a_small_pool_are_preempted_at_most_once_and_reuse_none_of_their_own(tiny_artifact):
+    """Three prompts that do not fit the pool together (a soak's three 900-token prompts on 3,000 cells took 18
+    preemptions, and the third reported its own recomputed prompt as cached_tokens: 900): the latest waits
+    for room instead of being admitted and preempted again, step after step, and a request restarting from
+    the cells it computed itself before its preemption reports none of them as reused."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(200)] for _ in range(3)]  # no shared first token (bos)
+    runner = open_runner(tiny_artifact, device="cpu", executor_config=ExecutorConfig(num_cells=601))
+    try:
+        handles = [runner.submit(prompt, max_new_tokens=56, ignore_eos=True) for prompt in prompts]
+        crowded = [handle.result(timeout=300) for handle in handles]
+        alone = [runner.generate(prompt, max_new_tokens=56, ignore_eos=True) for prompt in prompts[2:]]
+    finally:
+        runner.close()
+    preemptions = [done.stats.preemptions for done in crowded]
+    assert max(preemptions) <= 1 and sum(preemptions) >= 1, preemptions  # pressure, but no back-and-forth
+    assert [done.stats.reused_tokens for done in crowded] == [0, 0, 0]
+    assert crowded[2].token_ids == alone[0].token_ids
+    assert alone[0].stats.reused_tokens == 199  # a later request with the same prompt does reuse its cells

@@ -179,7 +179,7 @@ def test_preempted_requests_produce_their_solo_tokens(drive):
     crowded = [add_request_with(scheduler, [1000 + i] + list(range(1, prompt)), max_new=new)
                for i, (prompt, new) in enumerate(shapes)]
     drive(scheduler, model)
-    assert sum(r.stats.preemptions for r in crowded) >= 4, [r.stats.preemptions for r in crowded]
+    assert sum(r.stats.preemptions for r in crowded) >= 2, [r.stats.preemptions for r in crowded]
     assert scheduler.num_preemptions == sum(r.stats.preemptions for r in crowded)
     for request, expected in zip(crowded, solo):
         assert request.finish_reason is FinishReason.LENGTH
@@ -203,8 +203,8 @@ def test_failed_step_fails_only_its_requests():
 
 def test_a_preempted_request_is_not_starved_by_a_stream_of_new_arrivals():
     """Under steady pool pressure a new short request arrives every step. A long request that arrives
-    later is preempted to make room; it must still finish while arrivals go on, rather than wait behind
-    each new arrival for good (seen as a stream silent for minutes under a soak)."""
+    later waits for room in its turn (first come, first served); it must still finish while arrivals go on,
+    rather than wait behind each new arrival for good (seen as a stream silent for minutes under a soak)."""
     scheduler = make_scheduler(num_cells=160, budget=64, min_chunk=8)
     model, shorts, long = ContextModel(), [], None
     for step in range(3000):
@@ -216,7 +216,7 @@ def test_a_preempted_request_is_not_starved_by_a_stream_of_new_arrivals():
         if long is not None and long.finish_reason is not None:
             break
     assert long.finish_reason is FinishReason.LENGTH, f"still waiting after 3000 steps ({long.stats.preemptions} preemptions)"
-    assert long.stats.preemptions > 0
+    assert long.stats.preemptions <= 1
     assert step < 500, f"finished only after {step - 40} steps"
     run_with_model(scheduler, model)
     assert all(r.finish_reason is FinishReason.LENGTH for r in shorts)
@@ -432,6 +432,21 @@ def test_a_preempted_request_restarts_from_what_the_cache_kept_of_it():
     # known tokens, generated ones included (all but the one cell the first needed), not from its prompt.
     assert restarts == [16 + 4 - 1]
     assert [r.stats.completion_tokens for r in pair] == [6, 10]
+    assert [r.stats.reused_tokens for r in pair] == [0, 0]  # its own cells: nothing came from another request
+    assert_pool_returns_to_empty(scheduler)
+
+
+def test_prompts_that_do_not_fit_together_wait_for_room_instead_of_going_back_and_forth():
+    """Three 900-token prompts on a 3,000-cell pool, as a soak sent them: the third, admitted while the others
+    still had to grow, is preempted once and then waits until its tokens fit (it was re-admitted from its own
+    cached cells and preempted again each step: 299 times here, 18 in the soak)."""
+    scheduler = make_scheduler(num_cells=3001, budget=2048, max_decode=2048, min_chunk=32)
+    scheduler.config = dataclasses.replace(scheduler.config, max_context=2048)
+    crowded = [add_request_with(scheduler, [1000 + i] + list(range(1, 900)), max_new=400) for i in range(3)]
+    run_with_model_in_flight(scheduler, ContextModel())
+    assert [r.stats.preemptions for r in crowded] == [0, 0, 1]
+    assert [r.stats.reused_tokens for r in crowded] == [0, 0, 0]
+    assert all(r.finish_reason is FinishReason.LENGTH for r in crowded)
     assert_pool_returns_to_empty(scheduler)
 
 
@@ -476,12 +491,14 @@ def test_a_stop_token_found_late_drops_the_queued_decode_and_its_cell():
 
 
 def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
-    scheduler = make_scheduler(num_cells=13, budget=16, min_chunk=1)  # 12 cells and the scratch cell
+    scheduler = make_scheduler(num_cells=14, budget=16, min_chunk=1)  # 13 cells and the scratch cell
     older = add_request(scheduler, 4, max_new=5)
     scheduler.commit(scheduler.plan(), (20,))
     newer = add_request_with(scheduler, list(range(100, 107)), max_new=1)  # shares no prefix with the older
-    both = scheduler.plan()  # the older one's decode and the newer one's prompt: the pool is full
-    assert [c.request_id for c in both.chunks] == [older.id, newer.id]
+    both = scheduler.plan()  # the older one's decode and the newer one's prompt, one cell to spare
+    assert [c.request_id for c in both.chunks] == [older.id, newer.id] and scheduler.allocator.num_free == 1
+    last_cell = scheduler.plan()  # the older one's next decode takes it
+    assert [c.request_id for c in last_cell.chunks] == [older.id]
     # The older request's next decode needs a cell: the newer one, with its one sample in flight and nothing
     # left to schedule, gives way (its queued step still runs on cells that later, ordered steps reuse).
     plan = scheduler.plan()
@@ -492,7 +509,7 @@ def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
     assert not later.chunks  # the newer one is not recomputed before its sample is known
     events = scheduler.commit(both, (21, 22))
     assert [(e.request_id, e.token, e.finish_reason) for e in events] == [(newer.id, 22, FinishReason.LENGTH)]
-    assert scheduler.commit(plan, (23,)) == []
+    assert scheduler.commit(last_cell, (23,)) == [] and scheduler.commit(plan, (24,)) == []
     assert newer.tokens[7:] == [22]
     assert_pool_returns_to_empty(scheduler)
 

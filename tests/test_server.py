@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +30,7 @@ from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.serve import completions
 from pt2serve.serve.app import attach_runner, create_app
+from pt2serve.serve.command import default_threads
 from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.generation import EventBridge
 from servers import ServeProcess, ServerThread
@@ -484,6 +487,40 @@ def test_bad_request(server, path, body, status, message, param):
     assert "Traceback" not in response.text
 
 
+def test_the_tokenizer_endpoints_answer_as_vllms_and_as_the_generating_endpoints_tokenize(server, strict, runner):
+    messages = [{"role": "user", "content": "hi"}]
+    with httpx.Client(base_url=server, timeout=30) as http:
+        text = http.post("/tokenize", json={"model": MODEL, "prompt": "h\u00e9llo"}).json()
+        assert text == {"count": 7, "max_model_len": runner.max_context, "tokens": [256, *"h\u00e9llo".encode()],
+                        "token_strs": None}
+        bare = http.post("/tokenize", json={"prompt": " hi", "add_special_tokens": False, "return_token_strs": True})
+        assert bare.json()["tokens"] == [32, 104, 105] and bare.json()["token_strs"] == ["\u0120", "h", "i"]
+        chat = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+        done = http.post(CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 1}).json()
+        assert chat["count"] == done["usage"]["prompt_tokens"]
+        assert chat["tokens"] == runner.tokenizer.encode_chat(messages)
+        unprompted = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        assert unprompted["count"] < chat["count"] and chat["tokens"][:unprompted["count"]] == unprompted["tokens"]
+        detokenized = http.post("/detokenize", json={"model": MODEL, "tokens": text["tokens"]})
+        assert detokenized.json() == {"prompt": "h\u00e9llo"}
+        info = http.get("/tokenizer_info").json()
+        assert (info["bos_token"], info["eos_token"]) == ("<|bos|>", "<|eos|>")
+        assert info["chat_template"] == runner.tokenizer.chat_template
+        assert info["model_max_length"] == runner.max_context
+        # lm-eval's remote tokenizer finds the eos id so
+        assert http.post("/tokenize", json={"prompt": "<|eos|>", "add_special_tokens": False}).json()["tokens"] == [257]
+        for path, body, param in (("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                                  ("/tokenize", {"prompt": 3}, "prompt"),
+                                  ("/tokenize", {"messages": [{"role": "robot"}]}, "messages.0.role"),
+                                  ("/detokenize", {"tokens": [VOCAB]}, "tokens"),
+                                  ("/detokenize", {"tokens": "ab"}, "tokens")):
+            refused = http.post(path, json=body)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        assert http.post("/tokenize", json={"model": "other", "prompt": "a"}).status_code == 404
+    assert httpx.post(f"{strict}/tokenize", json={"prompt": "a"}).status_code == 401
+    assert httpx.post(f"{strict}/tokenize", json={"prompt": "a"}, headers=AUTH).json()["count"] == 2
+
+
 def test_oversized_body_and_unknown_route(server):
     huge = json.dumps({"model": MODEL, "prompt": "x" * (5 * 1024 * 1024)}).encode()
     response = httpx.post(f"{server}{COMPLETIONS}", content=huge, headers={"Content-Type": "application/json"})
@@ -589,6 +626,25 @@ def test_full_queue_answers_429(strict, slow_engine):
     assert response.status_code == 200, response.text
 
 
+def test_a_full_queue_answers_429_before_tokenizing_or_compiling_a_grammar(strict, slow_engine, monkeypatch):
+    """A burst past the queue is refused at once: a 429 waits for no tokenizer and no grammar compiler (each
+    runs on the thread pool, where a burst queues them)."""
+    work = []
+    with httpx.Client(base_url=strict, headers=AUTH, timeout=30) as http:
+        with http.stream("POST", COMPLETIONS, json=LONG) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            monkeypatch.setattr(completions, "_prompt_ids", lambda *args: work.append("tokenized"))
+            monkeypatch.setattr(completions, "_compile_grammar", lambda *args: work.append("compiled"))
+            for body in ({**OK, "guided_regex": "[ab]+"}, {"model": MODEL, "messages": [{"role": "user",
+                                                                                        "content": "hi"}]}):
+                path = COMPLETIONS if "prompt" in body else CHAT
+                rejected = http.post(path, json=body)
+                assert rejected.status_code == 429 and rejected.json()["error"]["code"] == "queue_full"
+            list(lines)
+    assert work == []
+
+
 def cells_used(url: str) -> float:
     """Cells held by requests: those in use but the prefix cache's."""
     samples = metrics(url, AUTH)
@@ -650,6 +706,70 @@ def test_disconnect_while_waiting_for_a_whole_completion(strict, slow_engine, ca
     assert not [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
+# -- connections ------------------------------------------------------------------------------------------
+
+
+def connect(url: str, count: int) -> list[socket.socket]:
+    host, port = url.removeprefix("http://").split(":")
+    return [socket.create_connection((host, int(port)), timeout=5) for _ in range(count)]
+
+
+def assert_closed_by_the_server(sockets: list[socket.socket], within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    for sock in sockets:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            assert sock.recv(1) == b""
+        except ConnectionResetError:
+            pass
+
+
+def test_silent_connections_are_closed_and_keep_no_request_out(runner):
+    """600 sockets that never send a request (one client opened them and left them): requests, /health and
+    /metrics are answered meanwhile, and the server closes every one after the header timeout, and a socket
+    that sends part of its headers and stops too. (They were held for ever, and past 512 of them every request
+    got a 503.)"""
+    thread = ServerThread(create_app(ServerConfig(model_name=MODEL, header_timeout_s=1.0), runner)).start()
+    silent = connect(thread.url, 600)
+    try:
+        stalled = connect(thread.url, 1)[0]
+        stalled.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never ends its headers
+        with httpx.Client(base_url=thread.url, timeout=10) as http:
+            assert http.get("/health").json() == {"status": "ok"}
+            assert http.get("/metrics").status_code == 200
+            assert http.post(COMPLETIONS, json=OK).status_code == 200
+        assert_closed_by_the_server(silent + [stalled], within_s=10)
+    finally:
+        for sock in silent:
+            sock.close()
+        thread.stop()
+
+
+def test_past_the_connection_budget_waiting_connections_give_way_and_requests_get_503_but_health(runner):
+    config = ServerConfig(model_name=MODEL, max_connections=4, max_queued=1, header_timeout_s=60)
+    thread = ServerThread(create_app(config, runner)).start()
+    silent = connect(thread.url, 4)
+    uploading = []
+    try:
+        with httpx.Client(base_url=thread.url, timeout=10) as http:
+            assert http.post(COMPLETIONS, json=OK).status_code == 200
+            assert_closed_by_the_server(silent[:1], within_s=5)  # the longest waiting, long before its timeout
+            # Requests whose bodies never come stay in progress: four fill the budget.
+            uploading = connect(thread.url, 4)
+            for sock in uploading:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            time.sleep(0.2)
+            refused = http.post(COMPLETIONS, json=OK)
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+            assert refused.json()["error"]["code"] == "too_many_requests"
+            assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+            assert metrics(thread.url)['pt2serve_requests_rejected_total{status="503"}'] >= 1
+    finally:
+        for sock in silent + uploading:
+            sock.close()
+        thread.stop()
+
+
 # -- metrics and CLI ------------------------------------------------------------------------------------------
 
 
@@ -677,6 +797,7 @@ def test_cli_serves_until_signalled_then_exits_0(tiny_artifact, sig):
     try:
         assert served.load_line.startswith("loaded in ") and "KV pool" in served.load_line
         assert "graphs" in served.load_line and re.search(r"; ready [\d.]+ s after launch$", served.load_line.rstrip())
+        assert f"; CPU threads: {default_threads()};" in served.load_line
         assert served.ready_line.startswith("serving cli-model at http://127.0.0.1:")
         assert served.ready_line.rstrip().endswith("(ready)")
         assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
@@ -687,6 +808,30 @@ def test_cli_serves_until_signalled_then_exits_0(tiny_artifact, sig):
         code, stderr = served.stop(sig)
     assert code == 0, stderr
     assert "Traceback" not in stderr
+
+
+def test_cli_logs_at_info_why_a_request_was_refused_and_the_fields_it_ignored(tiny_artifact):
+    served = ServeProcess(tiny_artifact, "--log-level", "info", "--threads", "2", "--header-timeout", "5")
+    try:
+        assert "; CPU threads: 2;" in served.load_line
+        with httpx.Client(base_url=served.url, timeout=30) as http:
+            ignored = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "frobnicate": 1})
+            assert ignored.status_code == 200
+            assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}).status_code == 400
+    finally:
+        code, stderr = served.stop()
+    assert code == 0, stderr
+    assert re.search(r"INFO: +ignoring unknown request fields: frobnicate", stderr), stderr
+    assert re.search(r"INFO: +POST /v1/completions answered 400 invalid_value \(param max_tokens\): ", stderr), stderr
+
+
+def test_the_server_leaves_a_core_to_its_event_loop(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert default_threads() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert default_threads() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert default_threads() == 15
 
 
 def test_cli_reports_a_missing_artifact_without_traceback(tmp_path):

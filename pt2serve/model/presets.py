@@ -19,7 +19,7 @@ from pt2serve.errors import Pt2ServeError
 from pt2serve.model.config import ModelConfig, RopeScaling
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.model import Transformer, rope_inv_freq
-from pt2serve.tokenizer import TokenizerFiles
+from pt2serve.tokenizer import TokenizerFiles, byte_level_alphabet
 
 SEED = 20261130
 NUM_BYTES = 256
@@ -159,7 +159,7 @@ def _fill_toy_greedy(model: Transformer, generator: torch.Generator, signal: flo
 def byte_tokenizer_files() -> TokenizerFiles:
     """A byte-level tokenizer: every byte is a token (no merges), plus bos and eos."""
     # The byte-level pre-tokenizer maps each byte to a printable character; enumerate them in byte order.
-    byte_chars = _bytes_to_unicode()
+    byte_chars = byte_level_alphabet()
     vocab = {byte_chars[b]: b for b in range(NUM_BYTES)}
     tokenizer_json = {
         "version": "1.0",
@@ -185,18 +185,3 @@ def byte_tokenizer_files() -> TokenizerFiles:
         chat_template=BYTE_CHAT_TEMPLATE,
         special_tokens={"bos_token": BOS_TEXT, "eos_token": EOS_TEXT},
     )
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table, as the ByteLevel pre-tokenizer uses."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
-    chars = printable[:]
-    extra = 0
-    for b in range(NUM_BYTES):
-        if b not in printable:
-            printable.append(b)
-            chars.append(NUM_BYTES + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}

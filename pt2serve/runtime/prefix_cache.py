@@ -35,12 +35,14 @@ _NO_CELLS = np.empty(0, dtype=np.int64)
 
 
 class _Node:
-    __slots__ = ("tokens", "cells", "parent", "children", "num_holders", "num_pins", "last_used", "in_tree")
+    __slots__ = ("tokens", "cells", "parent", "origin", "children", "num_holders", "num_pins", "last_used",
+                 "in_tree")
 
-    def __init__(self, tokens: np.ndarray, cells: np.ndarray, parent: _Node | None) -> None:
+    def __init__(self, tokens: np.ndarray, cells: np.ndarray, parent: _Node | None, origin: int | None) -> None:
         self.tokens = tokens  # [n] int64, the edge
         self.cells = cells  # [n] int64, cells[i] holds the K/V of tokens[i]
         self.parent = parent
+        self.origin = origin  # the holder that computed these cells and inserted them
         self.children: dict[int, _Node] = {}  # by first token
         self.num_holders = 0  # holders whose path runs through this node
         self.num_pins = 0  # sessions whose pinned path ends here
@@ -56,7 +58,7 @@ class PrefixCache:
         self.max_pins = max_pins
         self.pin_seconds = pin_seconds
         self._clock = clock
-        self._root = _Node(_NO_CELLS, _NO_CELLS, None)
+        self._root = _Node(_NO_CELLS, _NO_CELLS, None, None)
         self._ticks = itertools.count(1)
         self._held: dict[int, _Node] = {}  # holder -> the end of its held path
         self._pins: OrderedDict[str, tuple[_Node, float]] = OrderedDict()  # session -> (node, expiry), oldest first
@@ -66,6 +68,7 @@ class PrefixCache:
         self._seq = itertools.count()
         self._num_nodes = 0
         self.num_cells = 0  # cells the tree holds a reference on
+        self.num_unheld_cells = 0  # of those, the cells of nodes no holder holds: what eviction can take
         self.num_lookups = 0
         self.num_hits = 0  # lookups that reused at least one token
         self.num_lookup_tokens = 0
@@ -81,6 +84,43 @@ class PrefixCache:
         return len(self._pins)
 
     # -- requests ------------------------------------------------------------------------------------------
+
+    def peek(self, tokens: Sequence[int], limit: int) -> tuple[int, int]:
+        """What match() would reuse of `tokens`, without holding or changing anything: the cached prefix's
+        length, and how many of its cells no holder holds (they count as evictable until matched)."""
+        if not self.enabled or limit < 1:
+            return 0, 0
+        ids = np.asarray(tokens[:limit], dtype=np.int64)
+        node, depth, unheld = self._root, 0, 0
+        while depth < len(ids):
+            child = node.children.get(int(ids[depth]))
+            if child is None:
+                break
+            common = _common_length(child.tokens, ids[depth:])
+            unheld += common if child.num_holders == 0 else 0
+            node, depth = child, depth + common
+            if common < len(child.tokens):
+                break
+        return depth, unheld
+
+    def reused_from_others(self, holder: int, upto: int) -> int:
+        """Of the first `upto` positions of the path `holder` holds, how many have cells that another holder
+        computed (not `holder` itself, say before it was preempted)."""
+        node = self._held.get(holder)
+        if node is None:
+            return 0
+        path = []
+        while node is not self._root:
+            path.append(node)
+            node = node.parent
+        count, depth = 0, 0
+        for node in reversed(path):
+            if depth >= upto:
+                break
+            if node.origin != holder:
+                count += min(len(node.cells), upto - depth)
+            depth += len(node.cells)
+        return count
 
     def match(self, holder: int, tokens: Sequence[int], limit: int) -> np.ndarray:
         """The cells of the longest cached prefix of `tokens`, at most `limit` long; `holder` holds the path
@@ -109,11 +149,12 @@ class PrefixCache:
         ids = np.asarray(tokens, dtype=np.int64)
         node, depth = self._descend(ids)
         if depth < len(ids):
-            child = _Node(ids[depth:].copy(), np.array(cells[depth:len(ids)], dtype=np.int64), node)
+            child = _Node(ids[depth:].copy(), np.array(cells[depth:len(ids)], dtype=np.int64), node, holder)
             self._allocator.share(child.cells)
             node.children[int(ids[depth])] = child
             self._num_nodes += 1
             self.num_cells += len(child.cells)
+            self.num_unheld_cells += len(child.cells)  # until _hold below
             node = child
         self._use(node)
         self._hold(holder, node)
@@ -166,12 +207,13 @@ class PrefixCache:
             stack.extend(node.children.values())
             self._allocator.free(node.cells)
             node.in_tree = False
-        self._root = _Node(_NO_CELLS, _NO_CELLS, None)
+        self._root = _Node(_NO_CELLS, _NO_CELLS, None, None)
         self._held.clear()
         self._pins.clear()
         self._leaves.clear()
         self._num_nodes = 0
         self.num_cells = 0
+        self.num_unheld_cells = 0
 
     def _evict(self, num_cells: int, include_pinned: bool) -> int:
         freed, passed_over = 0, []
@@ -198,6 +240,7 @@ class PrefixCache:
         self._allocator.free(node.cells[keep:])
         node.tokens, node.cells = node.tokens[:keep], node.cells[:keep]
         self.num_cells -= count
+        self.num_unheld_cells -= count  # (a leaf nobody holds)
         if keep == 0:
             parent = node.parent
             del parent.children[key]
@@ -229,7 +272,7 @@ class PrefixCache:
         """Cut `node`'s edge after `length` tokens: a new parent takes the head; `node` keeps the tail, its
         children, pins and heap entries. Returns the new parent."""
         parent = node.parent
-        head = _Node(node.tokens[:length], node.cells[:length], parent)
+        head = _Node(node.tokens[:length], node.cells[:length], parent, node.origin)
         head.num_holders, head.last_used = node.num_holders, node.last_used
         self._num_nodes += 1
         parent.children[int(node.tokens[0])] = head
@@ -260,7 +303,10 @@ class PrefixCache:
     def _add_holders(self, node: _Node, delta: int) -> None:
         end = node
         while node is not self._root:
+            was_held = node.num_holders > 0
             node.num_holders += delta
+            if was_held != (node.num_holders > 0):
+                self.num_unheld_cells += len(node.cells) if was_held else -len(node.cells)
             node = node.parent
         self._push_if_free_leaf(end)
 

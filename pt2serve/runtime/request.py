@@ -55,7 +55,7 @@ class RequestSpec:
 @dataclass
 class RequestStats:
     prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens whose cells came from the prefix cache (at its latest admission)
+    reused_tokens: int = 0  # prompt tokens whose cells another request computed (prefix cache, or a parent's)
     prefilled_tokens: int = 0  # prompt tokens computed by this request
     completion_tokens: int = 0
     preemptions: int = 0  # times its cells were taken back and its tokens recomputed later

@@ -10,7 +10,8 @@ tokens (prefix_cache.py); the cells of known tokens go into the cache as prompts
 the cache already had are taken from it, the request's own copies freed) and when a request ends or is
 preempted. When the pool runs dry the cache frees exactly the cells missing, least recently used first,
 and only then is a request that arrived later than the one asking preempted (the latest first; recomputed
-later). Arrival order is priority: the oldest request can always make progress, and neither a new arrival
+later). A waiting request is admitted only when the cells free or held only by the cache cover all its
+tokens and every running request's next cells; until then no later arrival is admitted either. Arrival order is priority: the oldest request can always make progress, and neither a new arrival
 nor a stream of them can push an older request out of the pool for good. A prompt that cannot get its
 cells ends the step's admissions, not the running prompts' turns: the oldest of those may need its turn to
 take a later one's cells.
@@ -233,6 +234,7 @@ class Scheduler:
         prefilling = [r for r in self._running if r not in scheduled and not self.requests[r].is_decoding]
         order = sorted(prefilling + list(self._waiting), key=lambda r: _prefill_priority(self.requests[r]))
         admitting = True
+        reserve = None  # the running requests' next cells (see _fits), counted once and kept up to date
         for request_id in order:
             if budget <= 0:
                 break
@@ -240,9 +242,13 @@ class Scheduler:
             if request is None or request_id in scheduled or request.num_unresolved:
                 continue  # (a preempted request waits for its in-flight sample before it is recomputed)
             if request.status is RequestStatus.WAITING:
-                if not admitting:
+                if admitting and reserve is None:
+                    reserve = sum(_next_cells(self.requests[r]) for r in self._running)
+                if not admitting or not self._fits(request, reserve):
+                    admitting = False  # first come, first served: no one after it either
                     continue
                 self._admit(request)
+                reserve += _next_cells(request)
             count = min(request.num_pending, budget)
             if count < request.num_pending and count < self.config.min_prefill_chunk and scheduled:
                 continue  # too small a piece to be worth a cut; a later step gives it a full chunk
@@ -255,7 +261,10 @@ class Scheduler:
                 # request stuck for good once none of them could decode.
                 admitting = False
                 continue
+            needed_before = _next_cells(request)
             scheduled[request_id] = self._chunk(request, count)
+            if reserve is not None:  # the chunk's cells are allocated: no longer needed later
+                reserve -= needed_before - _next_cells(request)
             request.last_prefill_step = self.step
             budget -= count
 
@@ -275,6 +284,22 @@ class Scheduler:
             request.stats.first_scheduled_step = self.step
         return ScheduledChunk(request.id, start, count + len(drafts), samples, uniform, previous, drafts)
 
+    def _fits(self, request: Request, reserve: int) -> bool:
+        """Whether a waiting request can be admitted: the cells free, or held only by the cache, cover all its
+        tokens still to compute and `reserve`, the next cells of every running request (what each has left to
+        prefill, or its next decode). Admitting it short of that only took cells the running requests need next: as the
+        latest arrival it was preempted a step later, re-admitted from its own cached cells, and preempted
+        again, step after step (three 900-token prompts on a 3,000-cell pool: 299 preemptions of the third).
+        Alone it always fits: its tokens fit the pool."""
+        if not self._running:
+            return True
+        cached, cached_unheld = 0, 0
+        if not request.num_computed:
+            cached, cached_unheld = self.prefix_cache.peek(request.tokens, _match_limit(request))
+        needed = request.length - max(cached, request.num_computed) + reserve
+        # Its cached cells that nobody holds count as evictable now, but it holds them once admitted.
+        return needed <= self.allocator.num_free + self.prefix_cache.num_unheld_cells - cached_unheld
+
     def _admit(self, request: Request) -> None:
         """WAITING -> RUNNING, starting from the longest cached prefix of its tokens."""
         self._waiting.remove(request.id)
@@ -282,13 +307,12 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         if request.num_computed:
             return
-        # At least the newest token must be computed: its logits give the next token. A prompt to be scored
-        # is computed whole: reused cells come without the logits of their positions.
-        limit = 0 if request.spec.prompt_logprobs is not None else len(request.tokens) - 1
-        cells = self.prefix_cache.match(request.id, request.tokens, limit)
+        cells = self.prefix_cache.match(request.id, request.tokens, _match_limit(request))
         request.cells = CellTable(cells)
         request.num_computed = len(cells)
-        request.stats.reused_tokens = min(len(cells), request.num_prompt)
+        # Only cells another request computed count as reused: after a preemption, a request that restarts
+        # from its own cached cells reused nothing (it had computed them itself).
+        request.stats.reused_tokens = self.prefix_cache.reused_from_others(request.id, request.num_prompt)
 
     def fork(self, request: Request, parent: Request) -> None:
         """Queue `request`, whose prompt is `parent`'s, on shared copies of the parent's cells for all of that
@@ -470,6 +494,17 @@ class Scheduler:
         held += self.prefix_cache.held_cells()
         owned = len(np.unique(np.concatenate(held))) if held else 0
         return self.allocator.num_used - owned
+
+
+def _next_cells(request: Request) -> int:
+    """The cells a running request needs next: the rest of its prompt, or one for its next decode."""
+    return max(1, request.num_pending)
+
+
+def _match_limit(request: Request) -> int:
+    """How much of its tokens a request may take from the cache: all but the newest, whose logits give the next
+    token (none for a prompt to be scored: reused cells come without the logits of their positions)."""
+    return 0 if request.spec.prompt_logprobs is not None else len(request.tokens) - 1
 
 
 def _prefill_priority(request: Request) -> tuple[int, ...]:

@@ -20,8 +20,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pt2serve.runtime.runner import Runner
-from pt2serve.serve import completions
+from pt2serve.serve import completions, tokenization
 from pt2serve.serve.config import ServerConfig
+from pt2serve.serve.connections import RequestBudget
 from pt2serve.serve.errors import ApiError, UnexpectedErrors
 from pt2serve.serve.openai_format import model_card, model_list
 from pt2serve.serve.state import ServerState
@@ -88,6 +89,19 @@ def create_app(config: ServerConfig, runner: Runner | None = None, owns_runner: 
     async def create_chat_completion(request: Request) -> Response:
         return await completions.handle(request, state, chat=True)
 
+    # vLLM's tokenizer endpoints (tokenization.py), at the root as vLLM serves them.
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await tokenization.tokenize(request, state))
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await tokenization.detokenize(request, state))
+
+    @api.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokenization.tokenizer_info(state))
+
     app.include_router(api)
     return app
 
@@ -121,6 +135,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         return await api_error(request, ApiError(400, "the request is malformed"))
 
     app.add_middleware(UnexpectedErrors)
+    app.add_middleware(RequestBudget, limit=state.config.max_connections, on_refused=state.metrics.request_rejected)
 
 
 def _answer(request: Request, err: ApiError) -> JSONResponse:

@@ -7,6 +7,8 @@ SIGINT drains it (see shutdown.py) and it exits 0.
 
 from __future__ import annotations
 
+import copy
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -29,7 +31,28 @@ from pt2serve.runtime_flags import (
 
 DEVICES = ("cuda", "cpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-KEEP_ALIVE_S = 15
+
+
+def default_threads() -> int:
+    """The CPU threads torch computes with unless told: one fewer than the cores this process may run on, at
+    least one. The event loop, the engine thread and tokenizing need a core of their own: on a 2-core host,
+    torch's default of every core stalled each in-flight request for 3-41 s at a time under load, and one
+    thread finished the same load in 0.5 s."""
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use (a cpuset, taskset)
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging setup plus the project's loggers at `level`, printed the way uvicorn prints its own
+    (without this, pt2serve's info lines, such as why a request was refused, go nowhere)."""
+    from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["pt2serve"] = {"handlers": ["default"], "level": LOG_LEVELS[level], "propagate": False}
+    return config
 
 
 def serve_artifact_command(
@@ -44,8 +67,13 @@ def serve_artifact_command(
         None, help="How long a session's cells stay pinned after its last request (default: the runner's, 10 minutes)."
     ),
     max_queued: int = typer.Option(256, help="Requests running or queued before new ones are answered with 429."),
-    max_connections: int = typer.Option(512, help="Open connections before new requests are answered with 503 "
-                                        "(must exceed --max-queued)."),
+    max_connections: int = typer.Option(512, help="Bounds open connections (past it, the one that has waited "
+                                        "longest for a request is closed) and requests in progress (past it, a "
+                                        "request gets 503; /health and /metrics are always answered). Must exceed "
+                                        "--max-queued."),
+    header_timeout: float = typer.Option(10.0, help="Seconds a connection has to send a request's headers, from "
+                                         "opening or from its first byte after a response, before it is closed "
+                                         "(an idle keep-alive connection is closed after 15 s)."),
     drain_timeout: float = typer.Option(30.0, help="On SIGTERM/SIGINT: seconds running requests may take to finish "
                                         "before they are cut; new requests get 503 meanwhile."),
     prefix_cache_enabled: Optional[bool] = prefix_cache_option(),
@@ -62,7 +90,12 @@ def serve_artifact_command(
     model_name: Optional[str] = typer.Option(None, help="The model id clients send (default: the file's stem)."),
     default_max_tokens: Optional[int] = typer.Option(None, help="Tokens a request without max_tokens may generate "
                                                      "(default: up to the end of the context, as OpenAI does)."),
-    log_level: str = typer.Option("warning", help="uvicorn's log level (info shows each request)."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads torch computes with (default: one fewer than the "
+                                          "cores this process may use, at least 1, so the event loop and the engine "
+                                          "thread keep a core; all of them made requests stall for seconds on a "
+                                          "2-core host). The load line says how many."),
+    log_level: str = typer.Option("warning", help="The server's log level, uvicorn's and pt2serve's (info shows each "
+                                  "request, why a request was refused and the request fields it ignored)."),
 ) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
     from pt2serve.cli import fail
@@ -76,25 +109,31 @@ def serve_artifact_command(
         fail(f"--port must be in [0, 65535], got {port}")
     if max_sessions < 0:
         fail(f"--max-sessions must not be negative, got {max_sessions}")
+    if threads is not None and threads < 1:
+        fail(f"--threads must be at least 1, got {threads}")
     if not artifact.is_file():
         fail(f"{artifact} does not exist or is not a file")
     from pt2serve.prefetch import prefetch
 
     prefetch(artifact)  # the file comes off the disk while torch and the server are imported
 
-    import uvicorn
+    import torch
+
+    torch.set_num_threads(threads or default_threads())
 
     from pt2serve.runtime.engine import describe_load, open_runner
     from pt2serve.runtime.executor import ExecutorConfig
     from pt2serve.runtime.runner import RunnerConfig
     from pt2serve.serve.app import create_app
     from pt2serve.serve.config import ServerConfig
+    from pt2serve.serve.connections import uvicorn_config
     from pt2serve.serve.loader import BackgroundLoader
     from pt2serve.serve.shutdown import DrainingServer
 
     try:
         config = ServerConfig(model_name=model_name or artifact.stem, api_key=api_key, max_queued=max_queued,
-                              max_connections=max_connections, drain_timeout_s=drain_timeout,
+                              max_connections=max_connections, header_timeout_s=header_timeout,
+                              drain_timeout_s=drain_timeout,
                               default_max_tokens=default_max_tokens)
         executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
         runner_config = RunnerConfig(**step_budget(token_budget, max_decode_sequences, min_prefill_chunk),
@@ -105,14 +144,14 @@ def serve_artifact_command(
 
     app = create_app(config)
     # After draining, connections get timeout_graceful_shutdown to send their last bytes (a stalled reader).
-    # Idle keep-alive connections outlive the 5 s after which httpx (and so the openai client) stops reusing
-    # them: with equal timeouts a client may send on a connection the server is closing, and lose the request.
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           limit_concurrency=max_connections, timeout_keep_alive=KEEP_ALIVE_S,
-                                           timeout_graceful_shutdown=5, server_header=False), app.state.pt2serve)
+    server = DrainingServer(uvicorn_config(app, host=host, port=port, log_config=log_config(log_level),
+                                           log_level=log_level, timeout_graceful_shutdown=5), app.state.pt2serve)
+    def describe(runner) -> str:
+        return f"{describe_load(runner)}; CPU threads: {torch.get_num_threads()}"
+
     loader = BackgroundLoader(app, server, lambda: open_runner(artifact, device, executor_config, runner_config),
                               ready_message=lambda url: f"serving {config.model_name} at {url}/v1 (ready)",
-                              describe=describe_load)
+                              describe=describe)
     loader.start()
     server.run()
     if loader.error is not None:

@@ -54,6 +54,10 @@ async def handle(request: Request, state: ServerState, chat: bool) -> Response:
     _check_token_ids(runner, req.stop_token_ids, "stop_token_ids")
     _check_token_ids(runner, [token for token, _ in req.logit_bias], "logit_bias")
     tool_use = _tool_use(runner, req)
+    # Refuse at capacity before the costly part: tokenizing and compiling a grammar wait on the thread pool,
+    # where a burst queues them, and a 429 that waits for them took seconds. The check before submitting
+    # still decides: other requests may fill the queue while this one is tokenized.
+    state.check_admission(runner, req.num_choices)
     prompts = await run_in_threadpool(_prompt_ids, runner, req)
     max_tokens = [_max_tokens(runner, config, req, len(ids)) for ids in prompts]
     sampling = [_sampling(runner, req, _choice_seed(req.seed, j)) for j in range(req.n)]
@@ -62,7 +66,7 @@ async def handle(request: Request, state: ServerState, chat: bool) -> Response:
     generations = _start(runner, state, req, arrived, prompts, max_tokens, sampling, session_id, grammar)
     render = Rendering(
         fmt=ChatFormat(config.model_name) if chat else CompletionFormat(config.model_name),
-        texts=TokenTexts(runner.tokenizer),
+        texts=TokenTexts(runner.tokenizer, req.tokens_as_ids),
         prompts=prompts,
         echoed=[_echo_text(runner, p, ids) for p, ids in zip(req.prompts, prompts)] if req.echo else None,
         logprobs=req.logprobs is not None,

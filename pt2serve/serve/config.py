@@ -12,7 +12,8 @@ class ServerConfig:
     model_name: str = "model"  # the id clients pass as `model`
     api_key: str | None = None  # None: no authentication
     max_queued: int = 256  # requests in the runner (running + waiting) before new ones get 429
-    max_connections: int = 512  # open HTTP connections before uvicorn answers 503 (bounds sockets and tasks)
+    max_connections: int = 512  # open connections and requests in progress (connections.py says how)
+    header_timeout_s: float = 10.0  # a connection that sends no whole request's headers for this long is closed
     drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT, how long running requests may go on
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int | None = None  # without max_tokens: None runs to the end of the context
@@ -28,6 +29,8 @@ class ServerConfig:
         if self.max_connections <= self.max_queued:
             raise Pt2ServeError(f"max_connections ({self.max_connections}) must exceed max_queued ({self.max_queued}): "
                                 "every queued request holds a connection, and a full queue must still answer 429")
+        if not 0 < self.header_timeout_s <= 3600:
+            raise Pt2ServeError(f"header_timeout_s must be in (0, 3600], got {self.header_timeout_s}")
         if not 0 <= self.drain_timeout_s <= 3600:
             raise Pt2ServeError(f"drain_timeout_s must be in [0, 3600], got {self.drain_timeout_s}")
         if self.max_body_bytes < 1024:

@@ -30,6 +30,8 @@ _DEFAULT_CODES = {
     413: "request_too_large",
     429: "rate_limited",
 }
+# Every 503 says when to come back (a load balancer or client retries then, rather than at once or never).
+DEFAULT_RETRY_AFTER_S = 1
 
 
 class ApiError(Exception):
@@ -48,7 +50,9 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code or _DEFAULT_CODES.get(status, "invalid_request" if status < 500 else None)
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
+        if status == 503:
+            self.headers.setdefault("Retry-After", str(DEFAULT_RETRY_AFTER_S))
 
     @property
     def type(self) -> str:

@@ -26,8 +26,8 @@ class ServerMetrics:
         self.rejected = Counter("pt2serve_requests_rejected", "Requests answered with an error status before "
                                 "running, by status code.", ["status"], registry=r)
         self.prompt_tokens = Counter("pt2serve_prompt_tokens", "Prompt tokens of ended requests.", registry=r)
-        self.cached_tokens = Counter("pt2serve_cached_prompt_tokens", "Prompt tokens whose KV was reused from the "
-                                     "prefix cache.", registry=r)
+        self.cached_tokens = Counter("pt2serve_cached_prompt_tokens", "Prompt tokens whose KV another request "
+                                     "computed (the prefix cache, or the first of n choices).", registry=r)
         self.completion_tokens = Counter("pt2serve_completion_tokens", "Generated tokens.", registry=r)
         self.ttft = Histogram("pt2serve_time_to_first_token_seconds", "From receiving a request to its first "
                               "token.", buckets=TTFT_BUCKETS, registry=r)

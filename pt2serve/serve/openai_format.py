@@ -41,7 +41,7 @@ class SpeculationUsage:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    cached_tokens: int  # prompt tokens whose KV another request computed (not its own, after a preemption)
     speculation: SpeculationUsage | None = None
 
     def body(self) -> dict[str, Any]:

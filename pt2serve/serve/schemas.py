@@ -46,7 +46,7 @@ REFUSED_EXTENSIONS = frozenset({
     "continue_final_message", "add_generation_prompt",
     "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs", "functions", "function_call",
     "audio", "modalities", "web_search_options", "reasoning_effort", "verbosity", "logits_processors",
-    "vllm_xargs", "nvext", "priority", "return_tokens_as_token_ids",
+    "vllm_xargs", "nvext", "priority",
 })
 
 
@@ -84,6 +84,7 @@ class _Common(BaseModel):
     guided_regex: str | None = None  # or is one of the given strings
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    return_tokens_as_token_ids: bool | None = False  # extension, as vLLM's: logprobs name tokens "token_id:N"
 
 
 class _CompletionBody(_Common):
@@ -133,6 +134,7 @@ class GenerationRequest:
     tool_choice: str = "none"  # "none", "auto", "required", or the name of the one function to call
     parallel_tool_calls: bool = True
     echo: bool = False  # completions: the prompt's text (and its logprobs, with logprobs) before the completion
+    tokens_as_ids: bool = False  # logprobs name every token "token_id:N"
 
     @property
     def num_choices(self) -> int:
@@ -180,6 +182,55 @@ def parse_chat(data: Any) -> GenerationRequest:
                     parallel_tool_calls=body.parallel_tool_calls is not False)
 
 
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """/tokenize (vLLM's): a text prompt, or a chat rendered through the template, to ids."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    tools: list[dict[str, Any]] | None
+    add_special_tokens: bool | None  # None: as the generating endpoints do (bos for a text prompt)
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+class _TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Any = None
+    tools: Any = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class _DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_tokenize(data: Any) -> TokenizeRequest:
+    body = _validate(_TokenizeBody, data)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give either prompt (a text) or messages (a chat)", "prompt", "invalid_value")
+    if body.prompt is not None:
+        _text(body.prompt, "prompt")
+    return TokenizeRequest(body.model, body.prompt, _messages(body.messages) if body.messages is not None else None,
+                           _tools(body.tools), body.add_special_tokens, body.add_generation_prompt is not False,
+                           bool(body.return_token_strs))
+
+
+def parse_detokenize(data: Any) -> tuple[str | None, list[int]]:
+    """/detokenize (vLLM's): the model and the token ids to turn into text."""
+    body = _validate(_DetokenizeBody, data)
+    return body.model, body.tokens
+
+
 # Fields of the other endpoint: a client that sends one here expects its effect.
 CHAT_ONLY = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
                        "max_completion_tokens"})
@@ -196,7 +247,7 @@ def _validate(model: type[BaseModel], data: Any) -> Any:
         param = ".".join(str(part) for part in first["loc"]) or None
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, "invalid_value") from None
     extra = sorted(body.model_extra or ())
-    elsewhere = CHAT_ONLY if model is _CompletionBody else COMPLETIONS_ONLY
+    elsewhere = {_CompletionBody: CHAT_ONLY, _ChatBody: COMPLETIONS_ONLY}.get(model, frozenset())
     refused = [name for name in extra if name in REFUSED_EXTENSIONS or name in elsewhere]
     if refused:
         raise _unsupported(refused[0])
@@ -242,6 +293,7 @@ def _request(body: _Common, *, max_tokens: int | None, prompts=None, messages=No
         min_tokens=body.min_tokens or 0,
         logprobs=logprobs,
         echo=echo,
+        tokens_as_ids=bool(body.return_tokens_as_token_ids),
         **chat,
     )
 

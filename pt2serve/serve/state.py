@@ -46,7 +46,7 @@ class ServerState:
     def check_admission(self, runner: Runner, num_choices: int = 1) -> None:
         """Refuse a new request (of `num_choices` runner requests) while draining or at capacity. Call it right
         before submitting, with no await in between, so neither a shutdown nor concurrent requests can slip
-        past it."""
+        past it (and before any costly work, so a refusal costs nothing)."""
         config = self.config
         if num_choices > config.max_queued:
             raise ApiError(400, f"the request asks for {num_choices} choices, more than this server ever runs at "
