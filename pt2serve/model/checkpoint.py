@@ -22,6 +22,13 @@ from tokenizers import Tokenizer as HFTokenizer
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.config import ModelConfig
+from pt2serve.model.fp8_checkpoint import (
+    Fp8CheckpointQuantization,
+    fp8_owned_keys,
+    install_fp8_checkpoint_layers,
+    load_fp8_checkpoint_layers,
+    read_fp8_quantization_config,
+)
 from pt2serve.model.model import Transformer, rope_inv_freq, stacked_projections
 from pt2serve.model.quant import QuantScheme, quantize_model
 from pt2serve.model.quantized_checkpoint import (
@@ -38,6 +45,9 @@ INDEX_FILE = "model.safetensors.index.json"
 # Hugging Face stores these buffers in some checkpoints; we compute them from config.json instead.
 COMPUTED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Tensors only quantized layers have (GPTQ / AWQ, FP8), and the methods whose configs say how to read them.
+QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".weight_scale", ".weight_scale_inv", ".input_scale")
+QUANTIZATION_METHODS = "gptq, awq, compressed-tensors or fp8"
 
 
 @dataclass(frozen=True)
@@ -46,32 +56,40 @@ class Checkpoint:
     model: Transformer  # weights loaded, eval mode
     tokenizer: TokenizerFiles | None  # None when the directory has no tokenizer.json
     source: str  # the directory it came from
-    quantization: CheckpointQuantization | None = None  # a GPTQ or AWQ checkpoint's quantization_config
+    # A GPTQ, AWQ or FP8 checkpoint's quantization_config
+    quantization: CheckpointQuantization | Fp8CheckpointQuantization | None = None
     generation_defaults: dict[str, float] = field(default_factory=dict)  # see read_generation_defaults
 
 
 def load_checkpoint(
     path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu", attention: AttentionImpl = AttentionImpl.MASKED
 ) -> Checkpoint:
-    """Load a Hugging Face checkpoint directory (float, GPTQ or AWQ) into a Transformer in `dtype` on `device`."""
+    """Load a Hugging Face checkpoint directory (float, GPTQ, AWQ or FP8) into a Transformer in `dtype` on `device`."""
     root = Path(path)
     if not root.is_dir():
         raise Pt2ServeError(f"checkpoint directory {root} does not exist (or is not a directory)")
     config = read_config(root / "config.json")
-    quantization = read_quantization_config(_read_json(root / "config.json"), str(root / "config.json"))
+    hf, source = _read_json(root / "config.json"), str(root / "config.json")
+    fp8 = read_fp8_quantization_config(hf, source)
+    quantization = fp8 if fp8 is not None else read_quantization_config(hf, source)
     files = weight_files(root)
 
     # Build without allocating, then allocate once in the target dtype and device and fill from the files.
     with torch.device("meta"):
-        model = Transformer(config, attention)
+        model = Transformer(config, attention).to(dtype)  # before FP8 layers: .to(dtype) would convert them
     quantized_layers, skipped = {}, set()
-    if quantization is not None:
+    if fp8 is not None:
+        quantized_layers = install_fp8_checkpoint_layers(model, checkpoint_layout(model), files, fp8)
+        skipped = fp8_owned_keys(quantized_layers, fp8)
+    elif quantization is not None:
         keys = {key for file in files for key in _tensor_names(file)}
         quantized_layers = install_checkpoint_layers(model, checkpoint_layout(model), keys, quantization)
         skipped = owned_keys(quantized_layers, quantization)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to_empty(device=device)
     load_weights(model, files, skipped)
-    if quantization is not None:
+    if fp8 is not None:
+        load_fp8_checkpoint_layers(model, quantized_layers, files, fp8)
+    elif quantization is not None:
         load_quantized_layers(model, quantized_layers, files, quantization)
     # Not in checkpoints; kept in fp32 (to_empty left it uninitialised, .to(dtype) would have rounded it).
     model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
@@ -90,7 +108,8 @@ class LoadedModel:
     config: ModelConfig
     model: Transformer  # eval mode
     tokenizer: TokenizerFiles | None
-    quantization_method: str | None  # "rtn" (quantized here), "gptq" or "awq" (the checkpoint's), None: float
+    # "rtn" (quantized here); the checkpoint's "gptq", "awq", "compressed-tensors" or "fp8"; None: float
+    quantization_method: str | None
     generation_defaults: dict[str, float] = field(default_factory=dict)
 
 
@@ -210,10 +229,10 @@ def load_weights(model: Transformer, files: list[Path], skipped: set[str] = froz
                 if key in skipped or _is_skipped(key, cfg):
                     continue
                 destination = layout.get(key)
-                if destination is None and key.endswith((".qweight", ".qzeros", ".g_idx")):
+                if destination is None and key.endswith(QUANTIZED_SUFFIXES):
                     raise Pt2ServeError(
                         f"{file}: tensor {key!r} belongs to a quantized layer, but config.json has no "
-                        "quantization_config (gptq or awq) saying how it is packed"
+                        f"quantization_config ({QUANTIZATION_METHODS}) saying how it is stored"
                     )
                 if destination is None:
                     raise Pt2ServeError(
@@ -231,7 +250,7 @@ def load_weights(model: Transformer, files: list[Path], skipped: set[str] = froz
                 if kind not in FLOAT_DTYPES:
                     raise Pt2ServeError(
                         f"{file}: tensor {key!r} is stored as {kind}; a quantized checkpoint needs a "
-                        "quantization_config in config.json (gptq or awq)"
+                        f"quantization_config in config.json ({QUANTIZATION_METHODS})"
                     )
                 rows = params[destination.name].narrow(0, destination.start, shape[0])
                 rows.copy_(reader.get_tensor(key))  # copy_ converts dtype and moves to the device

@@ -90,7 +90,8 @@ def read_quantization_config(hf: dict[str, Any], source: str) -> CheckpointQuant
         if not config.get("zero_point", True):
             raise Pt2ServeError(f"{source}: AWQ without zero points is not supported (GEMM checkpoints have them)")
         return CheckpointQuantization("awq", 4, groups, symmetric=False, act_order=False, zero_offset=0)
-    raise Pt2ServeError(f"{source}: quantization method {method!r} is not supported (supported: gptq, awq)")
+    raise Pt2ServeError(f"{source}: quantization method {method!r} is not supported (supported: gptq, awq, "
+                        "compressed-tensors and fp8)")
 
 
 @dataclass(frozen=True)
