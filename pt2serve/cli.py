@@ -54,6 +54,10 @@ def export_command(
                                            "(default: HF_TOKEN or the saved login)."),
     preset: Optional[str] = typer.Option(None, help="Built-in model with generated weights (e.g. tiny)."),
     dtype: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default: bf16 on cuda, fp32 on cpu)."),
+    kv_dtype: Optional[str] = typer.Option(
+        None, help="KV cells: fp8 (e4m3 with a scale per layer and KV head, calibrated at export: twice the "
+        "tokens in the same memory) or the model's dtype (the default)."
+    ),
     attention: Optional[str] = typer.Option(
         None, help="kernel (Triton: each token reads only its own cells; cuda only) or masked (plain PyTorch, "
         "cost grows with the entry capacity). Default: kernel on cuda, masked on cpu."
@@ -114,7 +118,8 @@ def export_command(
             "compiled method serves any mix of sequences (an in-graph, single-sequence cache is not supported)"
         )
     options = ExportOptions(
-        backend=backend, output=output, checkpoint=checkpoint, preset=preset, dtype=dtype, attention=attention,
+        backend=backend, output=output, checkpoint=checkpoint, preset=preset, dtype=dtype, kv_dtype=kv_dtype,
+        attention=attention,
         forward_sizes=parse_sizes(forward_sizes), max_step_tokens=max_step_tokens, max_cells=max_cells,
         max_context=max_context, graph_entries=graph_entries, min_prefill_chunk=min_prefill_chunk, jobs=jobs,
         device_index=device_index, quantize=quantize, group_size=group_size, quantize_lm_head=quantize_lm_head,
@@ -160,6 +165,7 @@ def inspect_command(
         ("dtype / backend / attention", f"{meta['dtype']} / {meta['backend']} / {meta.get('attention', 'masked')}"),
         ("max context", meta["max_context"]),
         ("max cells", meta["max_cells"]),
+        ("KV cells", describe_kv_cells(meta["cache"])),
         ("forward sizes", ", ".join(map(str, meta["forward_sizes"]))),
         ("max step tokens", meta["max_step_tokens"]),
         ("min prefill chunk", meta["min_prefill_chunk"]),
@@ -213,6 +219,15 @@ def _untuned_and_tuned(step_ms: dict) -> tuple[float, float]:
     if "untuned" in step_ms:
         return step_ms["untuned"], step_ms["tuned"]
     return step_ms["cublas"], step_ms["chosen"]  # records from before quantized weights were tuned
+
+
+def describe_kv_cells(cache: dict) -> str:
+    """One line for `inspect`: the cells' dtype and bytes per token."""
+    fp8 = cache["dtype"] == "fp8"
+    per_token = cache["num_layers"] * 2 * cache["num_kv_heads"] * cache["head_dim"] * (1 if fp8 else {
+        "fp32": 4, "bf16": 2, "fp16": 2}[cache["dtype"]])
+    kind = "fp8 e4m3, a scale per layer and KV head" if fp8 else cache["dtype"]
+    return f"{kind}; {per_token:,} bytes a token"
 
 
 def describe_quantization_record(record: dict | None) -> str:

@@ -107,6 +107,33 @@ def test_kernel_matches_masked_reference(mix, heads, call_site):
     assert relative_error(step.kernel(config), step.reference()) < 1e-5
 
 
+@pytest.mark.parametrize("mix", ["decodes, short and long (split walks)", "mixed step"])
+def test_kernel_reads_fp8_cells_with_their_scales(mix):
+    """e4m3 pools with a scale per KV head: the kernel, split walks and one-program walks alike, computes the
+    reference's attention over the dequantized cells (scales far from 1, so one left out shows)."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    step = random_step(5, MIXES[mix], num_heads, num_kv_heads, head_dim, padding=3)
+    k_scale, v_scale = torch.tensor([0.01, 0.3]), torch.tensor([2.0, 0.05])
+    step.k_pool = (step.k_pool * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    step.v_pool = (step.v_pool * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    num_seqs = step.seq_indptr.shape[0] - 1
+    query_indptr = ops.query_indptr(step.token_seq, num_seqs)
+    for num_tokens in (step.q.shape[0], None):
+        config = launch_config(num_tokens, num_seqs, num_heads, num_kv_heads)
+        block_seq_end = ops.block_sequence_ends(query_indptr, config.num_blocks(step.q.shape[0], num_seqs),
+                                                config.block_q)
+        got = ops.launch_cell_attention(step.q, step.k_pool, step.v_pool, step.positions, step.token_seq,
+                                        query_indptr, step.seq_indptr, step.seq_cells, block_seq_end, config,
+                                        k_scale, v_scale)
+        mask = ops.visibility_mask(step.positions, step.token_seq, step.seq_indptr, step.seq_cells.shape[0])
+        dequantized = [(pool.double() * scale[None, :, None]) for pool, scale in
+                       ((step.k_pool, k_scale), (step.v_pool, v_scale))]
+        want = ops.masked_cell_attention(step.q.double(), *dequantized, step.seq_cells, mask)
+        assert relative_error(got, want) < 1e-5
+        scaled = ops.masked_cell_attention(step.q, step.k_pool, step.v_pool, step.seq_cells, mask, k_scale, v_scale)
+        assert relative_error(scaled, want) < 1e-5  # the reference's own scaled path
+
+
 def launch_config(num_tokens, num_seqs: int, num_heads: int, num_kv_heads: int) -> ops.LaunchConfig:
     """The operator's config for a static width or (num_tokens None) a dynamic one, with at most 4 splits
     so the interpreter's run stays short (the split count is data to the kernels)."""

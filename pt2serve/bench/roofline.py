@@ -26,7 +26,7 @@ import torch
 from pt2serve.bench.timing import StepShape
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2, "uint8": 1, "int64": 8,
-                "float8_e4m3fn": 1}
+                "float8_e4m3fn": 1, "fp8": 1}
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                  "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -33,6 +33,7 @@ from pt2serve.kernels.linear_choice import LinearChoices, using
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.dflash import attach_draft
+from pt2serve.model.kv_fp8 import has_kv_scales, install_kv_scales
 from pt2serve.model.model import Transformer
 from pt2serve.model.quant import QuantScheme
 
@@ -53,6 +54,7 @@ class CompileJob:
     linear_choices: dict | None = None  # LinearChoices.to_dict(): the small-M kernels the export chose
     draft: str | None = None  # a DFlash draft directory: the model taps its layers and holds the draft
     max_draft_cells: int = 0  # the draft pool's largest cell count (with a draft)
+    kv_scales: tuple | None = None  # FP8 cells: each layer's (k_scale, v_scale), calibrated once by the export
 
 
 def inductor_options() -> dict:
@@ -77,6 +79,13 @@ def _worker_model(
     model = load_model(checkpoint, preset, dtype, device, attention, quantize).model.eval()
     if draft is not None:
         attach_draft(model, draft)
+    return model
+
+
+def _job_model(job: CompileJob) -> Transformer:
+    model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.attention, job.quantize, job.draft)
+    if job.kv_scales is not None and not has_kv_scales(model):
+        install_kv_scales(model, list(job.kv_scales))
     return model
 
 
@@ -110,8 +119,7 @@ def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[s
 
 def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, list]:
     if model is None:
-        model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.attention, job.quantize,
-                              job.draft)
+        model = _job_model(job)
     if job.spec.name.startswith("forward"):
         with using(LinearChoices.from_dict(job.linear_choices or {})):
             program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)

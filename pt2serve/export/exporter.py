@@ -22,6 +22,7 @@ from pt2serve.kernels.linear_choice import LinearChoices
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.dflash import DFlashDraft, attach_draft
 from pt2serve.model.hub import resolve_checkpoint
+from pt2serve.model.kv_fp8 import calibrate_kv_scales, install_kv_scales
 from pt2serve.model.model import Transformer
 from pt2serve.model.quant import describe_quantization
 
@@ -50,6 +51,10 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     )
     config, model, tokenizer = loaded.config, loaded.model, loaded.tokenizer
     max_context = options.validate_for_model(config.max_position_embeddings)
+    kv_scales = None
+    if options.kv_dtype == "fp8":
+        kv_scales = tuple(calibrate_kv_scales(model))
+        install_kv_scales(model, list(kv_scales))
     choices, tuning = LinearChoices({}), None
     if options.backend == "cuda" and options.tune_matmuls:
         choices, timings = tune(model, options.forward_sizes, show_progress)
@@ -65,7 +70,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
         CompileJob(spec, checkpoint, options.preset, options.torch_dtype, options.device,
                    options.max_step_tokens, options.max_cells, options.attention_impl, options.quant_scheme,
                    choices.to_dict(), str(options.draft) if options.draft is not None else None,
-                   max_draft_cells)
+                   max_draft_cells, kv_scales)
         for spec in specs
     ]
     internal = {spec.name: internal_model_name(i) for i, spec in enumerate(specs)}
@@ -134,7 +139,7 @@ def build_metadata(
             "num_layers": config["num_layers"],
             "num_kv_heads": config["num_kv_heads"],
             "head_dim": config["head_dim"],
-            "dtype": options.dtype_name,
+            "dtype": options.kv_dtype_name,
         },
         "max_cells": options.max_cells,
         "forward_sizes": list(options.forward_sizes),

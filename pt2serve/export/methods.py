@@ -19,6 +19,7 @@ from pt2serve.contract import (
     forward_name,
 )
 from pt2serve.model.dflash import DraftBlockMethod, DraftContextMethod
+from pt2serve.model.kv_fp8 import kv_pool_dtype
 from pt2serve.model.model import Transformer
 from pt2serve.model.sampling import ArgmaxSampler, Sampler
 from pt2serve.model.verify import GreedyAcceptor, SampledAcceptor
@@ -69,7 +70,7 @@ def example_step(num_tokens: int, num_seqs: int, num_entries: int, num_cells: in
 def trace_forward(model: Transformer, spec: MethodSpec, max_step_tokens: int, max_cells: int):
     """torch.export one forward method; pools are inputs mutated in place."""
     cfg = model.config
-    device, dtype = model.norm.weight.device, model.norm.weight.dtype  # the embedding may be quantized
+    device = model.norm.weight.device
     static = spec.width is not None
     # forward_others takes up to max_step_tokens real tokens plus the one padding token the runtime adds.
     max_tokens = max_step_tokens + 1
@@ -79,8 +80,9 @@ def trace_forward(model: Transformer, spec: MethodSpec, max_step_tokens: int, ma
     num_cells = max(num_tokens + 2, 8)
     step = example_step(num_tokens, num_seqs, num_entries, num_cells, device)
     pool_shape = (num_cells, cfg.num_kv_heads, cfg.head_dim)
-    k_pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-    v_pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+    pool_dtype = kv_pool_dtype(model)
+    k_pools = [torch.zeros(pool_shape, device=device, dtype=pool_dtype) for _ in range(cfg.num_layers)]
+    v_pools = [torch.zeros(pool_shape, device=device, dtype=pool_dtype) for _ in range(cfg.num_layers)]
     # The pool's cell count is dynamic even for static widths: the runtime sizes the pool at load.
     cells = Dim("cells", min=2, max=max_cells + 1)
     pool_dims = [{0: cells} for _ in range(cfg.num_layers)]

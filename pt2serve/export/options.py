@@ -41,6 +41,7 @@ class ExportOptions:
     min_prefill_chunk: int = DEFAULT_MIN_PREFILL_CHUNK
     jobs: int | None = None  # None: a sensible number for the machine
     device_index: int = 0
+    kv_dtype: str | None = None  # None: the model's dtype; "fp8": e4m3 cells with per-head scales (model/kv_fp8.py)
     quantize: str | None = None  # "fp8", "int8" or "int4" (weight-only): quantization of the linear layers
     group_size: int | None = None  # None: the scheme's default (int4: 128, int8: one group per row)
     quantize_lm_head: bool = False
@@ -56,6 +57,11 @@ class ExportOptions:
         if self.quantize is None:
             return None
         return QuantScheme.from_flags(self.quantize, self.group_size, self.quantize_lm_head, self.quantize_embedding)
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The cache dtype the metadata records: "fp8", or the model's dtype."""
+        return self.kv_dtype or self.dtype_name
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -140,6 +146,11 @@ class ExportOptions:
         if self.draft is not None and not Path(self.draft).is_dir():
             raise Pt2ServeError(f"--draft {str(self.draft)!r} is not a directory: give a DFlash draft checkpoint "
                                 "directory (config.json and safetensors weights)")
+        if self.kv_dtype not in (None, "fp8", self.dtype_name):
+            raise Pt2ServeError(f"--kv-dtype must be fp8 or the model's dtype ({self.dtype_name}), got {self.kv_dtype!r}")
+        if self.kv_dtype == "fp8" and self.draft is not None:
+            raise Pt2ServeError("--kv-dtype fp8 with --draft is not supported: the draft's cells stay in the model's "
+                                "dtype; export the draft with the model's KV dtype")
         if self.jobs is not None and self.jobs < 1:
             raise Pt2ServeError(f"--jobs must be at least 1, got {self.jobs}")
         if self.quantize is None and (self.group_size is not None or self.quantize_lm_head or self.quantize_embedding):

@@ -17,6 +17,10 @@ Work is cut into programs of (query block, KV head, split):
   are merged by a second kernel. Longer chunks walk their KV in one program per block (flash attention
   tiles), causal inside the chunk.
 Every program only reads the cells at positions 0 .. its last token's position.
+
+FP8 pools (model/kv_fp8.py): cells hold e4m3 K/V divided by a scale per KV head (k_scale, v_scale [KVH]).
+Both kernels widen the e4m3 values to q's dtype as they load them (exact: e4m3 is a subset of bf16) and
+fold the scales into per-program scalars: K's into the softmax scale, V's into the output.
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ def masked_cell_attention(
     v_pool: torch.Tensor,  # [C, KVH, D]
     seq_cells: torch.Tensor,  # [E]
     mask: torch.Tensor,  # [T, E] from visibility_mask
+    k_scale: torch.Tensor | None = None,  # [KVH] fp32: an FP8 pool's K = cell * k_scale
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Attention of each token over the cells its mask allows: gathers every entry, so it costs O(T * E).
 
@@ -104,16 +110,20 @@ def masked_cell_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
-    k = k_pool.index_select(0, seq_cells).transpose(0, 1)  # [KVH, E, D]
-    v = v_pool.index_select(0, seq_cells).transpose(0, 1)
+    k = k_pool.index_select(0, seq_cells).transpose(0, 1).to(q.dtype)  # [KVH, E, D]
+    v = v_pool.index_select(0, seq_cells).transpose(0, 1).to(q.dtype)
     q = q.view(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, T, D]
     q = q.reshape(num_kv_heads, group * num_tokens, head_dim)
     scores = torch.matmul(q, k.transpose(1, 2)) * (head_dim**-0.5)  # [KVH, G*T, E]
+    if k_scale is not None:
+        scores = scores * k_scale[:, None, None]
     # The most negative finite value, not -inf: a row that sees nothing (never a real token's) then
     # stays finite, so no NaN can reach the pool and spread through 0 * NaN to other tokens' rows.
     scores = scores.view(num_kv_heads, group, num_tokens, -1).masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs.view(num_kv_heads, group * num_tokens, -1), v)  # [KVH, G*T, D]
+    if v_scale is not None:
+        out = (out * v_scale[:, None, None]).to(q.dtype)
     return out.view(num_kv_heads, group, num_tokens, head_dim).permute(2, 0, 1, 3).reshape(num_tokens, num_heads, head_dim)
 
 
@@ -173,6 +183,8 @@ if triton is not None:
         q_ptr,  # [T, H, D]
         k_pool_ptr,  # [C, KVH, D]
         v_pool_ptr,
+        k_scale_ptr,  # [KVH] fp32 with HAS_KV_SCALES (FP8 pools), else never read
+        v_scale_ptr,
         positions_ptr,  # [T]
         query_indptr_ptr,  # [R+1]
         seq_indptr_ptr,  # [R+1]
@@ -189,6 +201,7 @@ if triton is not None:
         MIN_SPLIT: tl.constexpr,
         SCALE_LOG2: tl.constexpr,  # softmax scale * log2(e): exp2 instead of exp
         PRECISION: tl.constexpr,
+        HAS_KV_SCALES: tl.constexpr,
     ):
         GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
         block = tl.program_id(0)
@@ -227,6 +240,9 @@ if triton is not None:
         lo = split * per_split
         hi = tl.minimum(entry_end, lo + per_split)
 
+        scale_log2 = SCALE_LOG2
+        if HAS_KV_SCALES:
+            scale_log2 = SCALE_LOG2 * tl.load(k_scale_ptr + kv_head)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -236,9 +252,9 @@ if triton is not None:
             cell = tl.load(seq_cells_ptr + entry_start + entry, mask=entry_ok, other=0)
             kv_offsets = (cell * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
             kv_mask = entry_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(v_pool_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE_LOG2
+            k = tl.load(k_pool_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_pool_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
             visible = entry_ok[None, :] & (entry[None, :] <= position[:, None])
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -250,6 +266,8 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
+        if HAS_KV_SCALES:
+            acc = acc * tl.load(v_scale_ptr + kv_head)
         out_mask = row_ok[:, None] & dim_ok[None, :]
         if splits == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -302,7 +320,7 @@ if triton is not None:
 
     def launch_cell_attention(
         q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq_end,
-        config: LaunchConfig,
+        config: LaunchConfig, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run both kernels with an explicit launch config (the operator picks one per call site)."""
         num_tokens, num_heads, head_dim = q.shape
@@ -313,13 +331,14 @@ if triton is not None:
         partial_out = q.new_empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32)
         partial_stats = q.new_empty((num_tokens, num_heads, splits, 2), dtype=torch.float32)
         torch.library.wrap_triton(_cell_attention_kernel)[(block_seq_end.shape[0], num_kv_heads, splits)](
-            out, partial_out, partial_stats, q, k_pool, v_pool, positions, query_indptr, seq_indptr, seq_cells,
-            block_seq_end, splits,
+            out, partial_out, partial_stats, q, k_pool, v_pool,
+            k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,  # q: never read
+            positions, query_indptr, seq_indptr, seq_cells, block_seq_end, splits,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_Q=config.block_q, BLOCK_M=config.block_m, BLOCK_N=config.block_n, MIN_SPLIT=config.min_split,
             SCALE_LOG2=head_dim**-0.5 * LOG2E,
             # fp32 artifacts are compared token for token with fp32 references: no tf32 in their dots.
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_KV_SCALES=k_scale is not None,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if splits > 1:
@@ -348,11 +367,14 @@ if triton is not None:
         min_split: int,
         num_warps: int,
         num_stages: int,
+        k_scale: torch.Tensor | None = None,  # [KVH] fp32: an FP8 pool's scales (both or neither)
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         """Each token attends over its own sequence's cells at positions 0 .. its own position."""
         config = LaunchConfig(block_q, block_m, block_n, max_splits, min_split, num_warps, num_stages)
         return launch_cell_attention(
-            q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq_end, config
+            q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq_end, config,
+            k_scale, v_scale,
         )
 
 

@@ -9,7 +9,8 @@ first, in the same program.
 
 Every rounding follows the plain path in model/model.py, its reference: norm in fp32, cast, times the
 weight in the model's dtype; rope in fp32 on the cast values, cast back to the model's dtype, then to the
-pool's.
+pool's. An FP8 pool (model/kv_fp8.py) gets each head divided by its scale in fp32 first, clamped to e4m3's
+range.
 """
 
 from __future__ import annotations
@@ -39,11 +40,20 @@ if triton is not None:
         return x1.to(tl.float32), x2.to(tl.float32)
 
     @triton.jit
+    def _to_pool(x, scale_ptr, kv_head, model_dtype: tl.constexpr, pool_dtype: tl.constexpr,
+                 HAS_KV_SCALES: tl.constexpr):
+        """fp32 values of one K or V head -> the pool's dtype, through the model's (and the head's scale)."""
+        x = x.to(model_dtype)
+        if HAS_KV_SCALES:
+            x = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr + kv_head), -448.0, 448.0)  # e4m3's finite range
+        return x.to(pool_dtype)
+
+    @triton.jit
     def _rope_and_store_kernel(
         qkv_ptr, cos_ptr, sin_ptr, cells_ptr, q_norm_ptr, k_norm_ptr, q_ptr, k_pool_ptr, v_pool_ptr,
-        num_tokens, stride_qkv, stride_rope, eps,
+        k_scale_ptr, v_scale_ptr, num_tokens, stride_qkv, stride_rope, eps,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-        BLOCK_T: tl.constexpr,
+        BLOCK_T: tl.constexpr, HAS_KV_SCALES: tl.constexpr,
     ):
         """Program (b, h): tokens b*BLOCK_T.., query head h (h < NUM_HEADS), else key/value head h - NUM_HEADS."""
         tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -72,17 +82,21 @@ if triton is not None:
             cells = tl.load(cells_ptr + tokens, mask=tokens < num_tokens, other=0)
             # Names apart from the query branch's: Triton types a name across both branches of an if.
             cell_offset = (cells[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            tl.store(k_pool_ptr + cell_offset + first, (x1 * cos - x2 * sin).to(model_dtype).to(pool_dtype), mask=ok)
-            tl.store(k_pool_ptr + cell_offset + second, (x2 * cos + x1 * sin).to(model_dtype).to(pool_dtype),
+            tl.store(k_pool_ptr + cell_offset + first,
+                     _to_pool(x1 * cos - x2 * sin, k_scale_ptr, kv_head, model_dtype, pool_dtype, HAS_KV_SCALES),
+                     mask=ok)
+            tl.store(k_pool_ptr + cell_offset + second,
+                     _to_pool(x2 * cos + x1 * sin, k_scale_ptr, kv_head, model_dtype, pool_dtype, HAS_KV_SCALES),
                      mask=ok)
             values = rows + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
             full = tl.arange(0, HEAD_DIM)[None, :]
-            tl.store(v_pool_ptr + cell_offset + full, tl.load(values + full, mask=ok, other=0).to(v_pool_ptr.dtype.element_ty),
-                     mask=ok)
+            value = tl.load(values + full, mask=ok, other=0).to(tl.float32)
+            tl.store(v_pool_ptr + cell_offset + full,
+                     _to_pool(value, v_scale_ptr, kv_head, model_dtype, pool_dtype, HAS_KV_SCALES), mask=ok)
 
     def launch_rope_and_store(
         qkv, cos, sin, write_cells, k_pool, v_pool, q_norm_weight, k_norm_weight, eps: float, num_heads: int,
-        num_kv_heads: int, block_t: int,
+        num_kv_heads: int, block_t: int, k_scale=None, v_scale=None,
     ) -> torch.Tensor:
         num_tokens = qkv.shape[0]
         head_dim = k_pool.shape[-1]
@@ -92,8 +106,11 @@ if triton is not None:
         torch.library.wrap_triton(_rope_and_store_kernel)[grid](
             qkv, cos, sin, write_cells,
             q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,  # qkv: never read
-            q, k_pool, v_pool, num_tokens, qkv.stride(0), cos.stride(0), eps,
+            q, k_pool, v_pool,
+            k_scale if k_scale is not None else qkv, v_scale if v_scale is not None else qkv,  # qkv: never read
+            num_tokens, qkv.stride(0), cos.stride(0), eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm, BLOCK_T=block_t,
+            HAS_KV_SCALES=k_scale is not None,
             num_warps=1 if block_t * head_dim <= 128 else 4,
         )
         return q
@@ -111,11 +128,13 @@ if triton is not None:
         eps: float,
         num_heads: int,
         num_kv_heads: int,
+        k_scale: torch.Tensor | None = None,  # [KVH] fp32: an FP8 pool's scales (both or neither)
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # q [T, H, D], rotated
         """Rope on q and k (after their norms), k and v written into each token's cell."""
         return launch_rope_and_store(qkv.contiguous(), cos.contiguous(), sin.contiguous(), write_cells, k_pool,
                                      v_pool, q_norm_weight, k_norm_weight, eps, num_heads, num_kv_heads,
-                                     tokens_per_program(qkv.shape[0]))
+                                     tokens_per_program(qkv.shape[0]), k_scale, v_scale)
 
 
 def tokens_per_program(num_tokens) -> int:

@@ -59,11 +59,14 @@ class StepAttention:
         else:
             self.mask = ops.visibility_mask(positions, token_seq, seq_indptr, seq_cells.shape[0])
 
-    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D] -> [T, H, D]."""
+    def __call__(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D]; FP8 pools come with their per-KV-head scales (model/kv_fp8.py)."""
         if self.impl is AttentionImpl.KERNEL:
             return torch.ops.pt2serve.cell_attention(
                 q, k_pool, v_pool, self.positions, self.token_seq, self.query_indptr, self.seq_indptr,
-                self.seq_cells, self.block_seq_end, *dataclasses.astuple(self.config),
+                self.seq_cells, self.block_seq_end, *dataclasses.astuple(self.config), k_scale, v_scale,
             )
-        return ops.masked_cell_attention(q, k_pool, v_pool, self.seq_cells, self.mask)
+        return ops.masked_cell_attention(q, k_pool, v_pool, self.seq_cells, self.mask, k_scale, v_scale)

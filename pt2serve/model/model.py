@@ -20,6 +20,7 @@ from pt2serve.kernels import rope_store  # noqa: F401  (registers torch.ops.pt2s
 from pt2serve.kernels.linear_choice import linear, swiglu_linear
 from pt2serve.model.attention import AttentionImpl, StepAttention
 from pt2serve.model.config import ModelConfig, RopeScaling
+from pt2serve.model.kv_fp8 import quantize_kv
 
 
 class Linear(nn.Linear):
@@ -83,6 +84,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # FP8 cells: e4m3 K / k_scale and V / v_scale per KV head [KVH] (model/kv_fp8.py installs them).
+        self.register_buffer("k_scale", None)
+        self.register_buffer("v_scale", None)
 
     def forward(
         self,
@@ -102,10 +106,11 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
                 self.q_norm.eps if self.q_norm is not None else 0.0, self.num_heads, self.num_kv_heads,
+                self.k_scale, self.v_scale,
             )
         else:
             q = self._rope_and_store(qkv, cos, sin, write_cells, k_pool, v_pool)
-        out = attend(q, k_pool, v_pool)
+        out = attend(q, k_pool, v_pool, self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def _rope_and_store(self, qkv, cos, sin, write_cells, k_pool, v_pool) -> torch.Tensor:
@@ -118,6 +123,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.k_scale is not None:  # e4m3 cells (the CPU has index_put_ for float8, not index_copy_)
+            k_pool.index_put_((write_cells,), quantize_kv(k, self.k_scale))
+            v_pool.index_put_((write_cells,), quantize_kv(v, self.v_scale))
+            return q
         k_pool.index_copy_(0, write_cells, k.to(k_pool.dtype))
         v_pool.index_copy_(0, write_cells, v.to(v_pool.dtype))
         return q

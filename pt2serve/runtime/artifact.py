@@ -46,7 +46,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "int64": torch.int64, "float8_e4m3fn": torch.float8_e4m3fn}
 # FP8 tensor-core instructions arrived with Ada (sm_89) and Hopper (sm_90).
 _FP8_MIN_CAPABILITY = (8, 9)
-_KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 # Weights are read in pieces of this size: on the CPU straight into the weight's own tensor, on a GPU into one
 # of two pinned staging buffers per loading thread (the next piece is read while the last one is copied up).
