@@ -116,6 +116,9 @@ def test_kernel_reads_fp8_cells_with_their_scales(mix):
     k_scale, v_scale = torch.tensor([0.01, 0.3]), torch.tensor([2.0, 0.05])
     step.k_pool = (step.k_pool * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
     step.v_pool = (step.v_pool * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if torch.cuda.is_available():  # compiled for the GPU there, in the interpreter here
+        step = RandomStep(*(t.cuda() for t in dataclasses.astuple(step)))
+        k_scale, v_scale = k_scale.cuda(), v_scale.cuda()
     num_seqs = step.seq_indptr.shape[0] - 1
     query_indptr = ops.query_indptr(step.token_seq, num_seqs)
     for num_tokens in (step.q.shape[0], None):
@@ -129,7 +132,7 @@ def test_kernel_reads_fp8_cells_with_their_scales(mix):
         dequantized = [(pool.double() * scale[None, :, None]) for pool, scale in
                        ((step.k_pool, k_scale), (step.v_pool, v_scale))]
         want = ops.masked_cell_attention(step.q.double(), *dequantized, step.seq_cells, mask)
-        assert relative_error(got, want) < 1e-5
+        assert relative_error(got, want) < (1e-5 if got.is_cpu else 1e-3)  # tf32 dots on the GPU
         scaled = ops.masked_cell_attention(step.q, step.k_pool, step.v_pool, step.seq_cells, mask, k_scale, v_scale)
         assert relative_error(scaled, want) < 1e-5  # the reference's own scaled path
 
