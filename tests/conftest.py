@@ -7,6 +7,7 @@ after changing model or export code).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -95,6 +96,17 @@ def fake_tuning_times(monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory) -> Path:
     return exported("tiny", lambda path: export_options_for_tests("tiny", path), tmp_path_factory)
+
+
+# toy-greedy in FP8 throughout: e4m3 linear layers and LM head, e4m3 KV cells; one static width (decodes pad
+# into it) and forward_others: on the CPU its layers are the same aten ops at every width.
+FP8_EXPORT = dict(quantize="fp8", quantize_lm_head=True, kv_dtype="fp8", forward_sizes=(4,))
+
+
+@pytest.fixture(scope="session")
+def fp8_artifact(tmp_path_factory) -> Path:
+    return exported("toy-greedy-fp8", lambda path: dataclasses.replace(
+        export_options_for_tests("toy-greedy", path), **FP8_EXPORT), tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """FP8 linear layers (kernels/fp8_linear.py, model/fp8.py): the format against an independent dequantize-then-
 matmul, the small-M kernels on e4m3 operands (TRITON_INTERPRET on the CPU), and toy-greedy exported with
---quantize fp8 end to end on the CPU: designed tokens at every method, compiled equal to eager, what the
+--quantize fp8 (with FP8 cells too: conftest's fp8_artifact) end to end on the CPU: designed tokens at every method, compiled equal to eager, what the
 package stores and inspect shows, the eager peer, and the quality report against the float export."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import export_options_for_tests, exported
 from pt2serve.bench.quality import QualityOptions, run_quality
 from pt2serve.contract import FORWARD_OTHERS, forward_name
 from pt2serve.errors import Pt2ServeError
@@ -24,6 +23,7 @@ from pt2serve.export.options import ExportOptions
 from pt2serve.kernels.fp8_linear import E4M3_MAX, fp8_linear, fp8_swiglu, quantize_per_token, quantize_rows
 from pt2serve.kernels.linear_choice import candidates
 from pt2serve.model.checkpoint import load_model
+from pt2serve.model.kv_fp8 import KV_FP8_DTYPE, install_kv_scales
 from pt2serve.model.presets import get_preset, toy_greedy_continuation
 from pt2serve.model.model import Transformer
 from pt2serve.model.quant import QuantScheme, quantize_model
@@ -34,8 +34,6 @@ from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.runtime.step import Chunk, pack
 
 PT2SERVE = str(Path(sys.executable).with_name("pt2serve"))
-FP8 = dict(quantize="fp8", quantize_lm_head=True)
-SIZES = (4,)  # one static width (decodes pad into it) and forward_others: the same aten ops on the CPU
 
 
 def e4m3_grid() -> torch.Tensor:
@@ -157,20 +155,13 @@ def test_fp8_lm_head_of_a_tied_model_is_refused():
         quantize_model(model, QuantScheme.from_flags("fp8", None, True, False))
 
 
-@pytest.fixture(scope="module")
-def fp8_artifact(tmp_path_factory) -> Path:
-    def options(path: Path) -> ExportOptions:
-        return dataclasses.replace(export_options_for_tests("toy-greedy", path), forward_sizes=SIZES, **FP8)
-
-    return exported("toy-greedy-fp8", options, tmp_path_factory)
-
-
 @pytest.mark.parametrize("use_static_methods", [True, False], ids=["static", "forward_others"])
 def test_fp8_artifact_generates_the_designed_tokens(fp8_artifact, use_static_methods):
     runner = open_runner(fp8_artifact, executor_config=ExecutorConfig(num_cells=512,
                                                                       use_static_methods=use_static_methods))
     try:
-        prompts = [[256, 5, 9], [3] * 7, list(range(40, 70))] + [[start] for start in range(0, 256, 17)]
+        assert all(pool.dtype == KV_FP8_DTYPE for pool in runner.executor.pools)
+        prompts = [[256, 5, 9], [3] * 7, list(range(200))] + [[start] for start in range(0, 256, 17)]
         handles = [runner.submit(p, max_new_tokens=8, ignore_eos=True) for p in prompts]
         for prompt, handle in zip(prompts, handles):
             assert list(handle.result(timeout=120).token_ids) == toy_greedy_continuation(prompt, 8), prompt
@@ -183,6 +174,8 @@ def test_compiled_fp8_methods_match_the_eager_fp8_model(fp8_artifact):
     model = load_model(None, "toy-greedy", torch.float32, "cpu",
                        quantize=QuantScheme.from_flags("fp8", None, True, False)).model
     cfg = model.config
+    install_kv_scales(model, [(artifact.weights[f"layers.{i}.self_attn.k_scale"],
+                               artifact.weights[f"layers.{i}.self_attn.v_scale"]) for i in range(cfg.num_layers)])
     rng = np.random.default_rng(0)
     pool_shape = (64, cfg.num_kv_heads, cfg.head_dim)
     for method, width, lengths in ((forward_name(4), 4, (2, 1, 1)), (FORWARD_OTHERS, None, (9, 1, 5))):
@@ -193,11 +186,14 @@ def test_compiled_fp8_methods_match_the_eager_fp8_model(fp8_artifact):
             chunks.append(Chunk(cells, tuple(int(t) for t in rng.integers(0, 256, length)), 0, SamplingParams()))
         call = pack(list(enumerate(chunks)), method, width, artifact.metadata.entries_of(4) if width else None)
         inputs = call.device_inputs("cpu")
-        compiled = artifact.run(method, [*inputs, *[torch.zeros(pool_shape) for _ in range(2 * cfg.num_layers)]])[0]
+        compiled_pools = [torch.zeros(pool_shape, dtype=KV_FP8_DTYPE) for _ in range(2 * cfg.num_layers)]
+        eager_pools = [pool.clone() for pool in compiled_pools]
+        compiled = artifact.run(method, [*inputs, *compiled_pools])[0]
         with torch.no_grad():
-            eager = model(*inputs, [torch.zeros(pool_shape) for _ in range(cfg.num_layers)],
-                          [torch.zeros(pool_shape) for _ in range(cfg.num_layers)])
+            eager = model(*inputs, eager_pools[:cfg.num_layers], eager_pools[cfg.num_layers:])
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+        for got, want in zip(compiled_pools, eager_pools):  # the same e4m3 cells, bit for bit
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_fp8_metadata_package_and_inspect(fp8_artifact):
@@ -208,8 +204,10 @@ def test_fp8_metadata_package_and_inspect(fp8_artifact):
         "activations": "dynamic per-token", "num_layers_quantized": 4 * cfg.num_layers + 1, "lm_head": True,
         "embedding": False,
     }
+    assert raw["cache"]["dtype"] == "fp8"
     weights = {entry["name"]: entry for entry in raw["weights"]}
     assert weights["layers.0.mlp.down_proj.weight"]["dtype"] == "float8_e4m3fn"
+    assert weights["layers.1.self_attn.k_scale"]["dtype"] == "float32"
     assert weights["layers.0.mlp.down_proj.weight_scale"] == {**weights["layers.0.mlp.down_proj.weight_scale"],
                                                               "dtype": "float32", "shape": [cfg.hidden_size]}
     assert weights["embed_tokens.weight"]["dtype"] == "float32"
@@ -222,6 +220,8 @@ def test_fp8_metadata_package_and_inspect(fp8_artifact):
                            env={**os.environ, "COLUMNS": "250"})
     assert shown.returncode == 0, shown.stderr
     assert "fp8 e4m3 rtn, per-channel weight scales, dynamic per-token activation scales" in shown.stdout
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    assert f"fp8 e4m3, a scale per layer and KV head; {per_token:,} bytes a token" in shown.stdout
 
 
 def test_fp8_quality_and_the_eager_peer(fp8_artifact, toy_artifact, tmp_path):
