@@ -184,6 +184,37 @@ def assert_only_the_cache_holds_cells(runner, timeout_s: float = 30) -> None:
     assert runner.stats.cells_used == runner.stats.prefix_cache_cells
 
 
+def generates_the_designed_tokens(artifact: Path, prompts: list[list[int]], executor_config: ExecutorConfig,
+                                  num_tokens: int = 8) -> None:
+    """Every prompt, submitted together, continues with toy-greedy's designed tokens."""
+    from pt2serve.model.presets import toy_greedy_continuation
+
+    runner = open_runner(artifact, executor_config=executor_config)
+    try:
+        handles = [runner.submit(p, max_new_tokens=num_tokens, ignore_eos=True) for p in prompts]
+        for prompt, handle in zip(prompts, handles):
+            assert list(handle.result(timeout=120).token_ids) == toy_greedy_continuation(prompt, num_tokens), prompt
+    finally:
+        runner.close()
+
+
+def packed_random_step(artifact, method: str, width: int | None, lengths: tuple[int, ...], rng):
+    """A step of fresh sequences of these lengths (random byte tokens, consecutive cells from 1), packed for
+    `method` of the loaded artifact: its inputs on the CPU."""
+    import numpy as np
+
+    from pt2serve.runtime.sampling import SamplingParams
+    from pt2serve.runtime.step import Chunk, pack
+
+    chunks, next_cell = [], 1
+    for length in lengths:
+        cells = np.arange(next_cell, next_cell + length, dtype=np.int64)
+        next_cell += length
+        chunks.append(Chunk(cells, tuple(int(t) for t in rng.integers(0, 256, length)), 0, SamplingParams()))
+    entries = artifact.metadata.entries_of(width) if width else None
+    return pack(list(enumerate(chunks)), method, width, entries).device_inputs("cpu")
+
+
 def random_prompts(count: int, seed: int = 0, max_length: int = 90) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(rng.randint(1, max_length))] for _ in range(count)]

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import generates_the_designed_tokens, packed_random_step
 from pt2serve.bench.quality import QualityOptions, run_quality
 from pt2serve.contract import FORWARD_OTHERS, forward_name
 from pt2serve.errors import Pt2ServeError
@@ -24,14 +25,12 @@ from pt2serve.kernels.fp8_linear import E4M3_MAX, fp8_linear, fp8_swiglu, quanti
 from pt2serve.kernels.linear_choice import candidates
 from pt2serve.model.checkpoint import load_model
 from pt2serve.model.kv_fp8 import KV_FP8_DTYPE, install_kv_scales
-from pt2serve.model.presets import get_preset, toy_greedy_continuation
+from pt2serve.model.presets import get_preset
 from pt2serve.model.model import Transformer
 from pt2serve.model.quant import QuantScheme, quantize_model
 from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.executor import ExecutorConfig
-from pt2serve.runtime.sampling import SamplingParams
-from pt2serve.runtime.step import Chunk, pack
 
 PT2SERVE = str(Path(sys.executable).with_name("pt2serve"))
 
@@ -157,14 +156,15 @@ def test_fp8_lm_head_of_a_tied_model_is_refused():
 
 @pytest.mark.parametrize("use_static_methods", [True, False], ids=["static", "forward_others"])
 def test_fp8_artifact_generates_the_designed_tokens(fp8_artifact, use_static_methods):
-    runner = open_runner(fp8_artifact, executor_config=ExecutorConfig(num_cells=512,
-                                                                      use_static_methods=use_static_methods))
+    prompts = [[256, 5, 9], [3] * 7, list(range(200))] + [[start] for start in range(0, 256, 17)]
+    generates_the_designed_tokens(fp8_artifact, prompts,
+                                  ExecutorConfig(num_cells=512, use_static_methods=use_static_methods))
+
+
+def test_fp8_cells_are_what_the_executor_allocates(fp8_artifact):
+    runner = open_runner(fp8_artifact, executor_config=ExecutorConfig(num_cells=64))
     try:
         assert all(pool.dtype == KV_FP8_DTYPE for pool in runner.executor.pools)
-        prompts = [[256, 5, 9], [3] * 7, list(range(200))] + [[start] for start in range(0, 256, 17)]
-        handles = [runner.submit(p, max_new_tokens=8, ignore_eos=True) for p in prompts]
-        for prompt, handle in zip(prompts, handles):
-            assert list(handle.result(timeout=120).token_ids) == toy_greedy_continuation(prompt, 8), prompt
     finally:
         runner.close()
 
@@ -179,13 +179,7 @@ def test_compiled_fp8_methods_match_the_eager_fp8_model(fp8_artifact):
     rng = np.random.default_rng(0)
     pool_shape = (64, cfg.num_kv_heads, cfg.head_dim)
     for method, width, lengths in ((forward_name(4), 4, (2, 1, 1)), (FORWARD_OTHERS, None, (9, 1, 5))):
-        chunks, next_cell = [], 1
-        for length in lengths:
-            cells = np.arange(next_cell, next_cell + length, dtype=np.int64)
-            next_cell += length
-            chunks.append(Chunk(cells, tuple(int(t) for t in rng.integers(0, 256, length)), 0, SamplingParams()))
-        call = pack(list(enumerate(chunks)), method, width, artifact.metadata.entries_of(4) if width else None)
-        inputs = call.device_inputs("cpu")
+        inputs = packed_random_step(artifact, method, width, lengths, rng)
         compiled_pools = [torch.zeros(pool_shape, dtype=KV_FP8_DTYPE) for _ in range(2 * cfg.num_layers)]
         eager_pools = [pool.clone() for pool in compiled_pools]
         compiled = artifact.run(method, [*inputs, *compiled_pools])[0]

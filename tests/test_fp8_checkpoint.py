@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import export_options_for_tests, exported
+from conftest import export_options_for_tests, exported, generates_the_designed_tokens
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.checkpoint import load_checkpoint, load_model
 from pt2serve.model.config import ModelConfig
@@ -30,7 +30,6 @@ from pt2serve.model.model import Transformer, stacked_projections
 from pt2serve.model.presets import build_preset_model, get_preset, toy_greedy_continuation
 from pt2serve.model.quant import QuantScheme, quantize_model
 from pt2serve.runtime.artifact import read_metadata
-from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.executor import ExecutorConfig
 
 PT2SERVE = str(Path(sys.executable).with_name("pt2serve"))
@@ -410,14 +409,8 @@ def fp8_block_artifact(tmp_path_factory, toy) -> Path:
 
 
 def test_exported_fp8_checkpoint_generates_the_designed_tokens(fp8_block_artifact):
-    runner = open_runner(fp8_block_artifact, executor_config=ExecutorConfig(num_cells=512))
-    try:
-        prompts = [[256, 5, 9], [3] * 7, list(range(40, 70))] + [[start] for start in range(0, 256, 37)]
-        handles = [runner.submit(p, max_new_tokens=8, ignore_eos=True) for p in prompts]
-        for prompt, handle in zip(prompts, handles):
-            assert list(handle.result(timeout=120).token_ids) == toy_greedy_continuation(prompt, 8), prompt
-    finally:
-        runner.close()
+    prompts = [[256, 5, 9], [3] * 7, list(range(40, 70))] + [[start] for start in range(0, 256, 37)]
+    generates_the_designed_tokens(fp8_block_artifact, prompts, ExecutorConfig(num_cells=512))
 
 
 def test_exported_fp8_checkpoint_records_its_method(fp8_block_artifact):

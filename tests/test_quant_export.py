@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import export_options_for_tests, exported
+from conftest import export_options_for_tests, exported, packed_random_step
 from pt2serve.export.options import ExportOptions
 from pt2serve.bench.quality import QualityOptions, kl_and_agreement, run_quality
 from pt2serve.contract import FORWARD_OTHERS, forward_name
@@ -26,8 +26,6 @@ from pt2serve.model.quant import QuantScheme
 from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.executor import ExecutorConfig
-from pt2serve.runtime.sampling import SamplingParams
-from pt2serve.runtime.step import Chunk, pack
 
 PT2SERVE = str(Path(sys.executable).with_name("pt2serve"))
 # One static width (decodes pad into it), forward_others for the rest: on the CPU a quantized layer is the same
@@ -96,13 +94,7 @@ def test_compiled_methods_match_the_eager_quantized_model(int8_artifact, int4_ar
     rng = np.random.default_rng(0)
     pool_shape = (64, cfg.num_kv_heads, cfg.head_dim)
     for method, width, lengths in ((forward_name(4), 4, (2, 1, 1)), (FORWARD_OTHERS, None, (9, 1, 5))):
-        chunks, next_cell = [], 1
-        for length in lengths:
-            cells = np.arange(next_cell, next_cell + length, dtype=np.int64)
-            next_cell += length
-            chunks.append(Chunk(cells, tuple(int(t) for t in rng.integers(0, 256, length)), 0, SamplingParams()))
-        call = pack(list(enumerate(chunks)), method, width, artifact.metadata.entries_of(4) if width else None)
-        inputs = call.device_inputs("cpu")
+        inputs = packed_random_step(artifact, method, width, lengths, rng)
         pools = [torch.zeros(pool_shape) for _ in range(2 * cfg.num_layers)]
         compiled = artifact.run(method, [*inputs, *pools])[0]
         with torch.no_grad():
