@@ -24,7 +24,7 @@ from pt2serve.export.options import ExportOptions
 from pt2serve.kernels.fp8_linear import E4M3_MAX, fp8_linear, fp8_swiglu, quantize_per_token, quantize_rows
 from pt2serve.kernels.linear_choice import candidates
 from pt2serve.model.checkpoint import load_model
-from pt2serve.model.kv_fp8 import KV_FP8_DTYPE, install_kv_scales
+from pt2serve.model.kv_fp8 import KV_FP8_DTYPE, install_kv_scales, kv_scales_in
 from pt2serve.model.presets import get_preset
 from pt2serve.model.model import Transformer
 from pt2serve.model.quant import QuantScheme, quantize_model
@@ -174,8 +174,7 @@ def test_compiled_fp8_methods_match_the_eager_fp8_model(fp8_artifact):
     model = load_model(None, "toy-greedy", torch.float32, "cpu",
                        quantize=QuantScheme.from_flags("fp8", None, True, False)).model
     cfg = model.config
-    install_kv_scales(model, [(artifact.weights[f"layers.{i}.self_attn.k_scale"],
-                               artifact.weights[f"layers.{i}.self_attn.v_scale"]) for i in range(cfg.num_layers)])
+    install_kv_scales(model, kv_scales_in(artifact.weights, cfg.num_layers))
     rng = np.random.default_rng(0)
     pool_shape = (64, cfg.num_kv_heads, cfg.head_dim)
     for method, width, lengths in ((forward_name(4), 4, (2, 1, 1)), (FORWARD_OTHERS, None, (9, 1, 5))):

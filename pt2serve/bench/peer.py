@@ -23,7 +23,7 @@ from pt2serve.runtime.step import Chunk, pack, slice_step
 class EagerPeer:
     def __init__(self, executor: Executor) -> None:
         from pt2serve.model.config import ModelConfig
-        from pt2serve.model.kv_fp8 import install_kv_scales
+        from pt2serve.model.kv_fp8 import install_kv_scales, kv_scales_in
         from pt2serve.model.model import Transformer
         from pt2serve.model.quant import install_from_record
 
@@ -33,10 +33,9 @@ class EagerPeer:
         quantization = artifact.metadata.raw.get("quantization")
         if quantization is not None:
             install_from_record(model, artifact.weights, quantization)
-        if "layers.0.self_attn.k_scale" in artifact.weights:  # FP8 cells: their scales are weights too
-            install_kv_scales(model, [(artifact.weights[f"layers.{i}.self_attn.k_scale"],
-                                       artifact.weights[f"layers.{i}.self_attn.v_scale"])
-                                      for i in range(len(model.layers))])
+        kv_scales = kv_scales_in(artifact.weights, len(model.layers))  # FP8 cells: their scales are weights
+        if kv_scales is not None:
+            install_kv_scales(model, kv_scales)
         # The artifact's device weights themselves (assign: no copy); the rotary table is a buffer.
         state = {name: artifact.weights[name] for name in model.state_dict()}
         model.load_state_dict(state, assign=True)

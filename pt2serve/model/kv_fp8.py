@@ -28,7 +28,6 @@ from pt2serve.kernels.fp8_linear import E4M3_MAX, MIN_SCALE
 KV_FP8_DTYPE = torch.float8_e4m3fn
 CALIBRATION_TOKENS = 512
 HEADROOM = 2.0
-SCALE_NAMES = ("k_scale", "v_scale")
 
 
 def install_kv_scales(model: nn.Module, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -37,6 +36,14 @@ def install_kv_scales(model: nn.Module, scales: list[tuple[torch.Tensor, torch.T
     for layer, (k_scale, v_scale) in zip(model.layers, scales, strict=True):
         layer.self_attn.register_buffer("k_scale", k_scale.to(device=device, dtype=torch.float32))
         layer.self_attn.register_buffer("v_scale", v_scale.to(device=device, dtype=torch.float32))
+
+
+def kv_scales_in(weights: dict[str, torch.Tensor], num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Each layer's (k_scale, v_scale) among an artifact's weights; None for cells in the model's dtype."""
+    if "layers.0.self_attn.k_scale" not in weights:
+        return None
+    return [(weights[f"layers.{i}.self_attn.k_scale"], weights[f"layers.{i}.self_attn.v_scale"])
+            for i in range(num_layers)]
 
 
 def has_kv_scales(model: nn.Module) -> bool:
