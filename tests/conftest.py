@@ -1,5 +1,6 @@
 """Shared fixtures: each compiled test artifact is exported once per test run; a toy-greedy runner and a
-server over it, once per test module.
+server over it, once per test module; the designed presets (toy-greedy, and toy-recall, whose tokens are
+wrong whenever a K/V cell is) for the tests of exact tokens that run on both.
 
 Set PT2SERVE_TEST_ARTIFACTS=DIR to keep the exports in DIR and reuse them across runs (delete the files
 after changing model or export code).
@@ -7,6 +8,7 @@ after changing model or export code).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -24,7 +26,7 @@ import pytest  # noqa: E402
 
 from pt2serve.export.exporter import export  # noqa: E402
 from pt2serve.export.options import ExportOptions  # noqa: E402
-from pt2serve.model.presets import build_preset_model  # noqa: E402
+from pt2serve.model.presets import build_preset_model, toy_greedy_continuation, toy_recall_continuation  # noqa: E402
 from pt2serve.runtime.engine import open_runner  # noqa: E402
 from pt2serve.runtime.executor import ExecutorConfig  # noqa: E402
 from pt2serve.runtime.runner import RunnerConfig  # noqa: E402
@@ -33,6 +35,12 @@ from pt2serve.runtime.runner import RunnerConfig  # noqa: E402
 TEST_MAX_CONTEXT = 256
 TEST_MAX_STEP_TOKENS = 128
 TEST_MAX_CELLS = 4096
+# toy-recall's export: CPU steps run forward_others, so it has two static widths only (for the tests that
+# force static methods), and an entry capacity just above one sequence's context, so a step with padding
+# can fill a static width's capacity exactly (as the 8B's widest methods reach --graph-entries).
+RECALL_FORWARD_SIZES = (4, 32)
+RECALL_GRAPH_ENTRIES = TEST_MAX_CONTEXT + 1
+DESIGNED_PRESETS = ("toy-greedy", "toy-recall")
 
 
 def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
@@ -46,6 +54,11 @@ def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
         max_cells=TEST_MAX_CELLS,
         jobs=2,
     )
+
+
+def recall_export_options(output: Path) -> ExportOptions:
+    return dataclasses.replace(export_options_for_tests("toy-recall", output), forward_sizes=RECALL_FORWARD_SIZES,
+                               graph_entries=RECALL_GRAPH_ENTRIES)
 
 
 def stop_at_token(deltas: list[str], first: int = 5) -> tuple[int, str, str]:
@@ -102,6 +115,31 @@ def toy_artifact(tmp_path_factory) -> Path:
     return exported("toy-greedy", lambda path: export_options_for_tests("toy-greedy", path), tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def recall_artifact(tmp_path_factory) -> Path:
+    return exported("toy-recall", recall_export_options, tmp_path_factory)
+
+
+@dataclasses.dataclass(frozen=True)
+class Designed:
+    """A designed preset's test artifact and its greedy tokens: continuation(prompt, count)."""
+
+    name: str
+    artifact: Path
+    continuation: Callable[[list[int], int], list[int]]
+
+
+_DESIGNED_FIXTURES = {"toy-greedy": ("toy_artifact", toy_greedy_continuation),
+                      "toy-recall": ("recall_artifact", toy_recall_continuation)}
+
+
+@pytest.fixture(params=DESIGNED_PRESETS)
+def designed(request) -> Designed:
+    """Each designed preset in turn (a test of exact tokens that takes it runs on both)."""
+    fixture, continuation = _DESIGNED_FIXTURES[request.param]
+    return Designed(request.param, request.getfixturevalue(fixture), continuation)
+
+
 @pytest.fixture()
 def tiny_server(tiny_artifact):
     """The tiny artifact served (OpenAI API, the runner's defaults) on 127.0.0.1 at a free port: the base URL."""
@@ -112,11 +150,28 @@ def tiny_server(tiny_artifact):
     runner.close()
 
 
+def open_batching_runner(artifact: Path):
+    """A runner with a pool of 4,096 cells and 64 tokens a step (toy_runner's)."""
+    return open_runner(artifact, executor_config=ExecutorConfig(num_cells=4097),
+                       runner_config=RunnerConfig(token_budget=64))
+
+
 @pytest.fixture(scope="module")
 def toy_runner(toy_artifact):
-    runner = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=4097),
-                         runner_config=RunnerConfig(token_budget=64))
+    runner = open_batching_runner(toy_artifact)
     yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module", params=DESIGNED_PRESETS)
+def designed_runner(request):
+    """toy_runner, then the same runner over toy-recall: (runner, the preset's continuation)."""
+    fixture, continuation = _DESIGNED_FIXTURES[request.param]
+    if request.param == "toy-greedy":
+        yield request.getfixturevalue("toy_runner"), continuation
+        return
+    runner = open_batching_runner(request.getfixturevalue(fixture))
+    yield runner, continuation
     runner.close()
 
 
