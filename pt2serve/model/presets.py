@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -284,6 +285,13 @@ _DESIGNED = {
     "toy-greedy-8b": (_fill_toy_greedy, 64.0),
     "toy-recall": (_fill_toy_recall, 1.0),
     "toy-recall-8b": (_fill_toy_recall, 64.0),
+}
+# Each designed preset's greedy tokens: continuation(prompt, count).
+DESIGNED_CONTINUATIONS: dict[str, Callable[[list[int], int], list[int]]] = {
+    "toy-greedy": toy_greedy_continuation,
+    "toy-greedy-8b": toy_greedy_continuation,
+    "toy-recall": toy_recall_continuation,
+    "toy-recall-8b": toy_recall_continuation,
 }
 
 
