@@ -216,15 +216,21 @@ def toy_server(toy_runner):
     thread.stop()
 
 
+def wait_until_idle(runner, timeout_s: float = 30) -> None:
+    """Until every request has finished and the runner's stats show it: the engine refreshes them once a loop,
+    after its commands, so stats that show no request waiting or running were taken after the last finish."""
+    deadline = time.monotonic() + timeout_s
+    while runner.num_active or runner.stats.num_running or runner.stats.num_waiting:
+        assert time.monotonic() < deadline, "the runner did not become idle"
+        time.sleep(0.01)
+
+
 def assert_only_the_cache_holds_cells(runner, timeout_s: float = 30) -> None:
     """Once the runner is idle, every KV cell in use is the prefix cache's (nothing leaked); closing the
     runner returns the pool to empty."""
-    deadline = time.monotonic() + timeout_s
-    while runner.num_active or runner.stats.num_running:
-        assert time.monotonic() < deadline, "the runner did not become idle"
-        time.sleep(0.01)
-    time.sleep(0.05)  # the engine refreshes its stats after draining commands
-    assert runner.stats.cells_used == runner.stats.prefix_cache_cells
+    wait_until_idle(runner, timeout_s)
+    stats = runner.stats
+    assert stats.cells_used == stats.prefix_cache_cells, stats
 
 
 def random_prompts(count: int, seed: int = 0, max_length: int = 90) -> list[list[int]]:

@@ -12,7 +12,9 @@ import time
 import pytest
 import torch
 
-from conftest import assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch, stop_at_token
+from conftest import (
+    assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch, stop_at_token, wait_until_idle,
+)
 from pt2serve.contract import SCRATCH_CELL
 from pt2serve.model.presets import toy_greedy_continuation
 from pt2serve.runtime.artifact import load_artifact
@@ -30,13 +32,6 @@ def tiny_runner(tiny_artifact):
     runner = open_runner(tiny_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
     yield runner
     runner.close()
-
-
-def wait_until_idle(runner, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while runner.num_active and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.05)  # the engine refreshes its stats after draining commands
 
 
 def test_load_report_says_how_steps_run(toy_runner, toy_artifact):
