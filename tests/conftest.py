@@ -239,14 +239,15 @@ def random_prompts(count: int, seed: int = 0, max_length: int = 90) -> list[list
 
 
 def sampled_alone_and_in_a_batch(runner, prompt: list[int], max_new_tokens: int, sampling,
-                                 others: list[list[int]]) -> tuple[list[int], list[int]]:
+                                 others: list[list[int]], others_greedy: bool = False) -> tuple[list[int], list[int]]:
     """A sampled request's tokens run alone, then again submitted among `others` (each sampled with its own
-    seed), once all have finished."""
+    seed, or greedy), once all have finished."""
     from pt2serve.runtime.sampling import SamplingParams
 
     alone = runner.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=True)
-    handles = [runner.submit(p, max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=1.0, seed=i),
-                             ignore_eos=True) for i, p in enumerate(others)]
+    handles = [runner.submit(p, max_new_tokens=max_new_tokens, ignore_eos=True,
+                             sampling=SamplingParams() if others_greedy else SamplingParams(temperature=1.0, seed=i))
+               for i, p in enumerate(others)]
     batched = runner.submit(prompt, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=True)
     batched_ids = batched.result(timeout=60).token_ids
     for handle in handles:

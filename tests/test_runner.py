@@ -78,6 +78,19 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_runner):
     assert different_seed.token_ids != alone
 
 
+def test_a_seeded_request_among_greedy_ones_is_the_same_as_alone(tiny_runner):
+    """Greedy requests share its steps: only a step whose rows are all greedy may take the argmax method, so
+    its draws still follow its seed (and its tokens are not the greedy ones)."""
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    prompt = [256, 50, 60, 70]
+    first_step = tiny_runner.scheduler.step
+    alone, batched = sampled_alone_and_in_a_batch(tiny_runner, prompt, 20, sampling, random_prompts(6, seed=8),
+                                                  others_greedy=True)
+    assert batched == alone
+    assert alone != tiny_runner.generate(prompt, max_new_tokens=20, ignore_eos=True).token_ids
+    assert max(s.num_decode for s in tiny_runner.step_history if s.step > first_step) >= 2  # steps were shared
+
+
 def test_a_continuation_prefills_only_its_new_suffix_with_or_without_a_session(designed_runner):
     runner, continuation = designed_runner
     history = [256, 1, 2, 3, 4, 5, 6, 7]
@@ -337,6 +350,44 @@ def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop(tiny_run
     assert stopped.stats.completion_tokens == last
     assert stopped.text == text[:-2]
     assert stopped.finish_reason is FinishReason.STOP
+
+
+def test_a_stop_string_ends_the_request_in_the_engine_too(tiny_runner):
+    """After the token that completes a stop string the request decodes no further (the steps run are its
+    prefill, its decodes up to that token and the one already in flight), runs no more and holds no cell
+    but those the prefix cache keeps."""
+    free = tiny_runner.submit("stop test", max_new_tokens=200, ignore_eos=True)
+    last, _, stop = stop_at_token([event.text for event in free.events(timeout=60) if event.token_id is not None])
+    wait_until_idle(tiny_runner)
+    first_step = tiny_runner.scheduler.step
+    stopped = tiny_runner.generate("stop test", max_new_tokens=200, ignore_eos=True, stop_strings=(stop,))
+    assert stopped.finish_reason is FinishReason.STOP and stopped.stats.completion_tokens == last
+    assert_only_the_cache_holds_cells(tiny_runner)
+    assert tiny_runner.scheduler.step - first_step <= last + 1
+
+
+def test_prefill_pieces_are_never_shorter_than_the_min_prefill_chunk(tiny_artifact):
+    """Two long prompts at once under a small budget: a prompt's piece that does not end it is at least
+    min_prefill_chunk tokens; a step whose room left is smaller runs without it."""
+    min_chunk = 14
+    runner = open_runner(tiny_artifact, executor_config=CELLS,
+                         runner_config=RunnerConfig(token_budget=16, min_prefill_chunk=min_chunk))
+    real_launch = runner.executor.launch
+    pieces: list[tuple[int, bool]] = []  # (tokens, ends its prompt) of every prefill chunk
+
+    def recording_launch(chunks):
+        pieces.extend((len(c.tokens), c.sampling is not None) for c in chunks if len(c.tokens) > 1)
+        return real_launch(chunks)
+
+    runner.executor.launch = recording_launch
+    try:
+        handles = [runner.submit([256] + list(range(length)), max_new_tokens=2) for length in (19, 59)]
+        for handle in handles:
+            assert handle.result(timeout=60).finish_reason is FinishReason.LENGTH
+    finally:
+        runner.close()
+    assert all(count >= min_chunk for count, ends in pieces if not ends), pieces
+    assert any(ends and count < min_chunk for count, ends in pieces)  # a remainder may be shorter
 
 
 def test_the_widest_step_run_at_start_touches_no_real_cell(toy_artifact, monkeypatch):
