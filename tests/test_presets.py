@@ -161,7 +161,6 @@ def test_toy_recall_8b_keeps_the_design_through_its_32_layers_in_bf16(monkeypatc
     top2 = EagerSequence(model, 64).extend(prompt).topk(2, dim=-1)
     assert top2.indices[:, 0].tolist() == [toy_successor(prompt[max(i - RECALL_LAG, 0)]) for i in range(len(prompt))]
     assert (top2.values[:, 0] - top2.values[:, 1]).min() > 5.0
-    assert greedy_generate(model, prompt, 8) == toy_recall_continuation(prompt, 8)
 
 
 def test_generated_weights_are_deterministic():
