@@ -3,7 +3,7 @@
 server itself (see pt2serve/soak/). Prints the tables last; exits 1 when a check fails.
 
     pt2serve serve-artifact toy.pt2 --num-cells 384 --max-queued 24 &
-    python scripts/soak.py --url http://127.0.0.1:8000 --duration 60 --max-queued 24 --toy-greedy
+    python scripts/soak.py --url http://127.0.0.1:8000 --duration 60 --max-queued 24 --designed toy-recall
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def main(
     max_queued: Optional[int] = typer.Option(None, help="The server's --max-queued: bursts go past it and must "
                                              "get 429s."),
     api_key: Optional[str] = typer.Option(None, envvar="PT2SERVE_API_KEY", help="Sent as a bearer token."),
-    toy_greedy: bool = typer.Option(False, "--toy-greedy", help="The server serves toy-greedy or toy-greedy-8b: greedy "
-                                    "requests must return exactly their designed tokens and text."),
+    designed: Optional[str] = typer.Option(None, help="The designed preset the server serves (toy-greedy, toy-recall "
+                                           "or their -8b twins): greedy requests must return exactly its designed "
+                                           "tokens and text."),
     warmup: float = typer.Option(5.0, help="Seconds of traffic before the memory baselines are read."),
     max_rss_growth_mb: float = typer.Option(256.0, help="Bound on host RSS growth over its post-warm-up level."),
     max_device_growth_mb: float = typer.Option(64.0, help="Bound on device memory growth over its post-warm-up "
@@ -44,7 +45,7 @@ def main(
     console = Console() if sys.stdout.isatty() else Console(width=160)  # a log keeps whole columns
     try:
         options = SoakOptions(url=url, duration_s=duration, seed=seed, concurrency=concurrency, max_queued=max_queued,
-                              api_key=api_key, toy_greedy=toy_greedy, warmup_s=warmup,
+                              api_key=api_key, designed=designed, warmup_s=warmup,
                               max_rss_growth_mb=max_rss_growth_mb, max_device_growth_mb=max_device_growth_mb,
                               min_requests=min_requests, expect_preemption=expect_preemption)
         report = run_soak(options)

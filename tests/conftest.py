@@ -1,5 +1,6 @@
 """Shared fixtures: each compiled test artifact is exported once per test run; a toy-greedy runner and a
-server over it, once per test module.
+server over it, once per test module; the designed presets (toy-greedy, and toy-recall, whose tokens are
+wrong whenever a K/V cell is) for the tests of exact tokens that run on both.
 
 Set PT2SERVE_TEST_ARTIFACTS=DIR to keep the exports in DIR and reuse them across runs (delete the files
 after changing model or export code).
@@ -25,7 +26,7 @@ import pytest  # noqa: E402
 
 from pt2serve.export.exporter import export  # noqa: E402
 from pt2serve.export.options import ExportOptions  # noqa: E402
-from pt2serve.model.presets import build_preset_model  # noqa: E402
+from pt2serve.model.presets import build_preset_model, toy_greedy_continuation, toy_recall_continuation  # noqa: E402
 from pt2serve.runtime.engine import open_runner  # noqa: E402
 from pt2serve.runtime.executor import ExecutorConfig  # noqa: E402
 from pt2serve.runtime.runner import RunnerConfig  # noqa: E402
@@ -34,6 +35,12 @@ from pt2serve.runtime.runner import RunnerConfig  # noqa: E402
 TEST_MAX_CONTEXT = 256
 TEST_MAX_STEP_TOKENS = 128
 TEST_MAX_CELLS = 4096
+# toy-recall's export: CPU steps run forward_others, so it has two static widths only (for the tests that
+# force static methods), and an entry capacity just above one sequence's context, so a step with padding
+# can fill a static width's capacity exactly (as the 8B's widest methods reach --graph-entries).
+RECALL_FORWARD_SIZES = (4, 32)
+RECALL_GRAPH_ENTRIES = TEST_MAX_CONTEXT + 1
+DESIGNED_PRESETS = ("toy-greedy", "toy-recall")
 
 
 def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
@@ -47,6 +54,11 @@ def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
         max_cells=TEST_MAX_CELLS,
         jobs=2,
     )
+
+
+def recall_export_options(output: Path) -> ExportOptions:
+    return dataclasses.replace(export_options_for_tests("toy-recall", output), forward_sizes=RECALL_FORWARD_SIZES,
+                               graph_entries=RECALL_GRAPH_ENTRIES)
 
 
 def stop_at_token(deltas: list[str], first: int = 5) -> tuple[int, str, str]:
@@ -114,6 +126,31 @@ def toy_artifact(tmp_path_factory) -> Path:
     return exported("toy-greedy", lambda path: export_options_for_tests("toy-greedy", path), tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def recall_artifact(tmp_path_factory) -> Path:
+    return exported("toy-recall", recall_export_options, tmp_path_factory)
+
+
+@dataclasses.dataclass(frozen=True)
+class Designed:
+    """A designed preset's test artifact and its greedy tokens: continuation(prompt, count)."""
+
+    name: str
+    artifact: Path
+    continuation: Callable[[list[int], int], list[int]]
+
+
+_DESIGNED_FIXTURES = {"toy-greedy": ("toy_artifact", toy_greedy_continuation),
+                      "toy-recall": ("recall_artifact", toy_recall_continuation)}
+
+
+@pytest.fixture(params=DESIGNED_PRESETS)
+def designed(request) -> Designed:
+    """Each designed preset in turn (a test of exact tokens that takes it runs on both)."""
+    fixture, continuation = _DESIGNED_FIXTURES[request.param]
+    return Designed(request.param, request.getfixturevalue(fixture), continuation)
+
+
 @pytest.fixture()
 def tiny_server(tiny_artifact):
     """The tiny artifact served (OpenAI API, the runner's defaults) on 127.0.0.1 at a free port: the base URL."""
@@ -124,11 +161,28 @@ def tiny_server(tiny_artifact):
     runner.close()
 
 
+def open_batching_runner(artifact: Path):
+    """A runner with a pool of 4,096 cells and 64 tokens a step (toy_runner's)."""
+    return open_runner(artifact, executor_config=ExecutorConfig(num_cells=4097),
+                       runner_config=RunnerConfig(token_budget=64))
+
+
 @pytest.fixture(scope="module")
 def toy_runner(toy_artifact):
-    runner = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=4097),
-                         runner_config=RunnerConfig(token_budget=64))
+    runner = open_batching_runner(toy_artifact)
     yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module", params=DESIGNED_PRESETS)
+def designed_runner(request):
+    """toy_runner, then the same runner over toy-recall: (runner, the preset's continuation)."""
+    fixture, continuation = _DESIGNED_FIXTURES[request.param]
+    if request.param == "toy-greedy":
+        yield request.getfixturevalue("toy_runner"), continuation
+        return
+    runner = open_batching_runner(request.getfixturevalue(fixture))
+    yield runner, continuation
     runner.close()
 
 
@@ -173,15 +227,21 @@ def toy_server(toy_runner):
     thread.stop()
 
 
+def wait_until_idle(runner, timeout_s: float = 30) -> None:
+    """Until every request has finished and the runner's stats show it: the engine refreshes them once a loop,
+    after its commands, so stats that show no request waiting or running were taken after the last finish."""
+    deadline = time.monotonic() + timeout_s
+    while runner.num_active or runner.stats.num_running or runner.stats.num_waiting:
+        assert time.monotonic() < deadline, "the runner did not become idle"
+        time.sleep(0.01)
+
+
 def assert_only_the_cache_holds_cells(runner, timeout_s: float = 30) -> None:
     """Once the runner is idle, every KV cell in use is the prefix cache's (nothing leaked); closing the
     runner returns the pool to empty."""
-    deadline = time.monotonic() + timeout_s
-    while runner.num_active or runner.stats.num_running:
-        assert time.monotonic() < deadline, "the runner did not become idle"
-        time.sleep(0.01)
-    time.sleep(0.05)  # the engine refreshes its stats after draining commands
-    assert runner.stats.cells_used == runner.stats.prefix_cache_cells
+    wait_until_idle(runner, timeout_s)
+    stats = runner.stats
+    assert stats.cells_used == stats.prefix_cache_cells, stats
 
 
 def generates_the_designed_tokens(artifact: Path, prompts: list[list[int]], executor_config: ExecutorConfig,
@@ -221,14 +281,15 @@ def random_prompts(count: int, seed: int = 0, max_length: int = 90) -> list[list
 
 
 def sampled_alone_and_in_a_batch(runner, prompt: list[int], max_new_tokens: int, sampling,
-                                 others: list[list[int]]) -> tuple[list[int], list[int]]:
+                                 others: list[list[int]], others_greedy: bool = False) -> tuple[list[int], list[int]]:
     """A sampled request's tokens run alone, then again submitted among `others` (each sampled with its own
-    seed), once all have finished."""
+    seed, or greedy), once all have finished."""
     from pt2serve.runtime.sampling import SamplingParams
 
     alone = runner.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=True)
-    handles = [runner.submit(p, max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=1.0, seed=i),
-                             ignore_eos=True) for i, p in enumerate(others)]
+    handles = [runner.submit(p, max_new_tokens=max_new_tokens, ignore_eos=True,
+                             sampling=SamplingParams() if others_greedy else SamplingParams(temperature=1.0, seed=i))
+               for i, p in enumerate(others)]
     batched = runner.submit(prompt, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=True)
     batched_ids = batched.result(timeout=60).token_ids
     for handle in handles:

@@ -224,9 +224,12 @@ def make_bad_artifacts(src: Path, tmp: Path) -> dict[str, tuple[Path, str, str |
     edited("other-format-version", lambda m: m.update(format_version=m["format_version"] + 1), "artifact format")
 
     # -- this machine
-    major = int(torch.__version__.split(".")[0])
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     edited("other-torch", lambda m: m["built_with"].update(torch=f"{major - 1}.0.1+cpu"),
            f"built with torch {major - 1}.0.1")
+    # Compiled methods load only under the release that built them: another minor version is another release.
+    edited("other-torch-minor", lambda m: m["built_with"].update(torch=f"{major}.{minor + 1}.0+cpu"),
+           f"built with torch {major}.{minor + 1}.0")
     edited("foreign-libstdcxx", lambda m: m["built_with"].update(libstdcxx_mismatch="the C++ compiler 'g++' links /x"),
            "CXX=/usr/bin/g++")
     # Asked for a GPU where there is none, the loader says so before anything about the artifact.
@@ -302,7 +305,7 @@ BAD_CASES = [
     "no-metadata", "metadata-not-json", "metadata-not-an-object", "metadata-missing-fields",
     "metadata-sizes-not-a-list", "metadata-zero-context", "metadata-bad-cache-dtype", "metadata-bad-weight-dtype",
     "metadata-weight-without-shape", "metadata-bad-entry-count", "metadata-method-without-name",
-    "metadata-unknown-backend", "metadata-no-torch-version", "other-format-version", "other-torch",
+    "metadata-unknown-backend", "metadata-no-torch-version", "other-format-version", "other-torch", "other-torch-minor",
     "foreign-libstdcxx", "cpu-artifact-on-cuda", "cuda-artifact-on-cpu",
     pytest.param("built-for-cuda", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
 ]

@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from conftest import assert_only_the_cache_holds_cells
+from conftest import assert_only_the_cache_holds_cells, wait_until_idle
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.presets import byte_tokenizer_files, toy_greedy_continuation
 from pt2serve.runtime import executor as executor_module
@@ -31,6 +31,7 @@ from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.serve import app as app_module
 from pt2serve.serve.app import create_app
 from pt2serve.serve.config import ServerConfig
+from pt2serve.serve.errors import UnexpectedErrors
 from pt2serve.tokenizer import Tokenizer
 from servers import TOY_MODEL, ServeProcess, ServerThread
 
@@ -38,13 +39,6 @@ TOKENIZER = Tokenizer(byte_tokenizer_files())
 BOS = 256
 MODEL = TOY_MODEL
 CELLS = ExecutorConfig(num_cells=4097)
-
-
-def wait_until_idle(runner, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while runner.num_active or runner.stats.num_running:
-        assert time.monotonic() < deadline, "the runner did not become idle"
-        time.sleep(0.01)
 
 
 def slow_steps(runner, monkeypatch, seconds: float = 0.01) -> None:
@@ -140,12 +134,32 @@ def test_a_stalled_client_holds_up_only_itself(toy_server, toy_runner):
         stalled.close()
 
 
-def test_a_client_that_leaves_while_sending_its_request_is_no_server_error(toy_server, caplog):
+def handling_completions(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Events set when the server starts handling a completion request (its headers are in) and once it is done
+    with it, whatever the outcome: around the outermost middleware, which logs what nothing else expected."""
+    started, done = threading.Event(), threading.Event()
+    handle = UnexpectedErrors.__call__
+
+    async def watched(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/completions":
+            return await handle(self, scope, receive, send)
+        started.set()
+        try:
+            await handle(self, scope, receive, send)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(UnexpectedErrors, "__call__", watched)
+    return started, done
+
+
+def test_a_client_that_leaves_while_sending_its_request_is_no_server_error(toy_server, caplog, monkeypatch):
+    started, done = handling_completions(monkeypatch)
     body = json.dumps({"model": MODEL, "prompt": [BOS, 7], "max_tokens": 4}).encode()
     with socket.create_connection(address(toy_server)) as sock:
         sock.sendall(http_request(body)[: -len(body) // 2])  # the headers promise the whole body; half comes
-        time.sleep(0.2)
-    time.sleep(0.2)  # the server notices the disconnect
+        assert started.wait(timeout=10), "the server did not start on the request"
+    assert done.wait(timeout=10), "the server did not notice the disconnect"
     assert httpx.get(f"{toy_server}/health").status_code == 200
     assert not [r for r in caplog.records if "unexpected error" in r.getMessage()]
 

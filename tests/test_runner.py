@@ -1,5 +1,6 @@
 """The batching runner on real compiled artifacts (CPU): exact tokens under batching, prefix reuse,
-cancellation, failure isolation."""
+cancellation, failure isolation. The tests of exact tokens under batching, reuse, preemption and cancels run on
+both designed presets: toy-recall's tokens are wrong whenever a K/V cell is, toy-greedy's only when a token is."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import time
 import pytest
 import torch
 
-from conftest import assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch, stop_at_token
+from conftest import (
+    assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch, stop_at_token, wait_until_idle,
+)
 from pt2serve.contract import SCRATCH_CELL
 from pt2serve.model.presets import toy_greedy_continuation
 from pt2serve.runtime.artifact import load_artifact
@@ -31,13 +34,6 @@ def tiny_runner(tiny_artifact):
     runner.close()
 
 
-def wait_until_idle(runner, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while runner.num_active and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.05)  # the engine refreshes its stats after draining commands
-
-
 def test_load_report_says_how_steps_run(toy_runner, toy_artifact):
     line = describe_load(toy_runner)
     assert "KV pool 4.2 MB for 4,096 tokens (as asked)" in line and "every step runs forward_others" in line
@@ -51,22 +47,23 @@ def test_load_report_says_how_steps_run(toy_runner, toy_artifact):
         forced.close()
 
 
-def test_staggered_requests_match_their_solo_tokens_and_batch(toy_runner):
+def test_staggered_requests_match_their_solo_tokens_and_batch(designed_runner):
+    runner, continuation = designed_runner
     batch = random_prompts(16)
-    first_step = toy_runner.scheduler.step
+    first_step = runner.scheduler.step
     handles = []
     # Arrivals 1 ms apart, each request 120 steps long: they overlap however fast a step is.
     for prompt in batch:
-        handles.append(toy_runner.submit(prompt, max_new_tokens=120))
+        handles.append(runner.submit(prompt, max_new_tokens=120))
         time.sleep(0.001)
     results = [h.result(timeout=120) for h in handles]
     for prompt, result in zip(batch, results):
-        assert result.token_ids == toy_greedy_continuation(prompt, 120)
+        assert result.token_ids == continuation(prompt, 120)
         assert result.finish_reason is FinishReason.LENGTH
         assert result.stats.prompt_tokens == len(prompt) and result.stats.completion_tokens == 120
-    solo = toy_runner.generate(batch[3], max_new_tokens=120)
+    solo = runner.generate(batch[3], max_new_tokens=120)
     assert solo.token_ids == results[3].token_ids
-    steps = [s for s in toy_runner.step_history if s.step > first_step]
+    steps = [s for s in runner.step_history if s.step > first_step]
     assert max(s.num_decode for s in steps) >= 8  # many sequences really decoded together
     assert any(s.num_decode and s.num_tokens > s.num_decode for s in steps)  # decode + prefill mixed
 
@@ -81,16 +78,30 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_runner):
     assert different_seed.token_ids != alone
 
 
-def test_a_continuation_prefills_only_its_new_suffix_with_or_without_a_session(toy_runner):
+def test_a_seeded_request_among_greedy_ones_is_the_same_as_alone(tiny_runner):
+    """Greedy requests share its steps: only a step whose rows are all greedy may take the argmax method, so
+    its draws still follow its seed (and its tokens are not the greedy ones)."""
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    prompt = [256, 50, 60, 70]
+    first_step = tiny_runner.scheduler.step
+    alone, batched = sampled_alone_and_in_a_batch(tiny_runner, prompt, 20, sampling, random_prompts(6, seed=8),
+                                                  others_greedy=True)
+    assert batched == alone
+    assert alone != tiny_runner.generate(prompt, max_new_tokens=20, ignore_eos=True).token_ids
+    assert max(s.num_decode for s in tiny_runner.step_history if s.step > first_step) >= 2  # steps were shared
+
+
+def test_a_continuation_prefills_only_its_new_suffix_with_or_without_a_session(designed_runner):
+    runner, continuation = designed_runner
     history = [256, 1, 2, 3, 4, 5, 6, 7]
-    first = toy_runner.generate(history, max_new_tokens=6, session_id="chat")
+    first = runner.generate(history, max_new_tokens=6, session_id="chat")
     follow_up = history + first.token_ids + [40, 41, 42]
-    warm = toy_runner.generate(follow_up, max_new_tokens=6)
-    assert warm.token_ids == toy_greedy_continuation(follow_up, 6)
+    warm = runner.generate(follow_up, max_new_tokens=6)
+    assert warm.token_ids == continuation(follow_up, 6)
     # All of the first exchange but its last sampled token (never fed back) was already in cells.
     assert warm.stats.reused_tokens == len(history) + len(first.token_ids) - 1
     assert warm.stats.prefilled_tokens == len(follow_up) - warm.stats.reused_tokens
-    shares_one_token = toy_runner.generate([256, 99, 98], max_new_tokens=2, session_id="chat")
+    shares_one_token = runner.generate([256, 99, 98], max_new_tokens=2, session_id="chat")
     assert shares_one_token.stats.reused_tokens == 1
 
 
@@ -123,14 +134,14 @@ def test_greedy_tokens_with_reuse_equal_those_without(tiny_artifact):
     assert outputs[True] == outputs[False]
 
 
-def test_prefix_cache_hit_rate_counts_reused_tokens(toy_artifact):
-    runner = open_runner(toy_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
+def test_prefix_cache_hit_rate_counts_reused_tokens(designed):
+    runner = open_runner(designed.artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
     try:
         system = [256] + list(range(100, 140))
         runner.generate(system + [1, 2, 3], max_new_tokens=4)
         prompt = system + [7, 8]
         reused = runner.generate(prompt, max_new_tokens=5)
-        assert reused.token_ids == toy_greedy_continuation(prompt, 5)
+        assert reused.token_ids == designed.continuation(prompt, 5)
         assert reused.stats.reused_tokens == len(system)
         wait_until_idle(runner)
         assert runner.stats.prefix_cache_hit_rate == pytest.approx(len(system) / (len(system) * 2 + 5))
@@ -138,11 +149,11 @@ def test_prefix_cache_hit_rate_counts_reused_tokens(toy_artifact):
         runner.close()
 
 
-def test_cancel_mid_prefill_and_mid_decode_frees_cells_and_spares_the_others(toy_artifact):
+def test_cancel_mid_prefill_and_mid_decode_frees_cells_and_spares_the_others(designed):
     """Cancels land between steps: one after part (not all) of a 200-token prompt is in cells, one after a
     few decoded tokens, while two other requests run. Before every step the pool holds exactly the cells
     of the live requests (a cancelled one's are freed at once), and the others' tokens are their solo ones."""
-    runner = open_runner(toy_artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
+    runner = open_runner(designed.artifact, executor_config=CELLS, runner_config=RunnerConfig(token_budget=64))
     real_launch = runner.executor.launch
     long_prompt = [random.Random(1).randrange(256) for _ in range(200)]  # four steps of prefill at most
     targets: dict[str, object] = {}
@@ -175,11 +186,11 @@ def test_cancel_mid_prefill_and_mid_decode_frees_cells_and_spares_the_others(toy
         assert 0 < prefilling.stats.prefilled_tokens < len(long_prompt), prefilling.stats
         assert decoding.finish_reason is FinishReason.CANCELLED
         assert 3 <= len(decoding.token_ids) < 200
-        assert decoding.token_ids == toy_greedy_continuation([256, 5], len(decoding.token_ids))
+        assert decoding.token_ids == designed.continuation([256, 5], len(decoding.token_ids))
         for prompt, handle in zip(others, other_handles):
             result = handle.result(timeout=60)
             assert result.finish_reason is FinishReason.LENGTH
-            assert result.token_ids == toy_greedy_continuation(prompt, 40)
+            assert result.token_ids == designed.continuation(prompt, 40)
         wait_until_idle(runner)
         assert leaks == []
         assert_only_the_cache_holds_cells(runner)
@@ -187,9 +198,9 @@ def test_cancel_mid_prefill_and_mid_decode_frees_cells_and_spares_the_others(toy
         runner.close()
 
 
-def test_two_hundred_mixed_requests_leave_the_pool_empty(toy_artifact):
+def test_two_hundred_mixed_requests_leave_the_pool_empty(designed):
     # Prompts wait for room rather than enter a full pool: the pressure comes from outputs that outgrow it.
-    runner = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=600),
+    runner = open_runner(designed.artifact, executor_config=ExecutorConfig(num_cells=600),
                          runner_config=RunnerConfig(token_budget=64))
     try:
         rng = random.Random(7)
@@ -203,12 +214,12 @@ def test_two_hundred_mixed_requests_leave_the_pool_empty(toy_artifact):
                 runner.cancel(handle)
         results = [h.result(timeout=300) for h, _ in handles]
         assert {r.finish_reason for r in results} <= {FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.STOP}
-        # Every greedy output, preempted or not, is its solo run (toy-greedy's designed continuation);
-        # a cancelled one is a prefix of it.
+        # Every greedy output, preempted or not, is its solo run (the designed continuation); a cancelled one
+        # is a prefix of it.
         preempted_greedy = 0
         for prompt, (_, sampling), result in zip(batch, handles, results):
             if sampling.is_greedy:
-                assert result.token_ids == toy_greedy_continuation(prompt, len(result.token_ids))
+                assert result.token_ids == designed.continuation(prompt, len(result.token_ids))
                 preempted_greedy += result.stats.preemptions > 0 and result.finish_reason is FinishReason.LENGTH
         assert preempted_greedy >= 10, f"only {preempted_greedy} greedy requests were preempted: no pressure"
         assert_only_the_cache_holds_cells(runner)
@@ -216,10 +227,10 @@ def test_two_hundred_mixed_requests_leave_the_pool_empty(toy_artifact):
         runner.close()
 
 
-def test_requests_preempted_while_decoding_produce_their_solo_tokens(toy_artifact):
+def test_requests_preempted_while_decoding_produce_their_solo_tokens(designed):
     """Short prompts, long outputs, a small pool: decoding requests run the pool dry and are preempted with
     tokens already generated; each recomputes its prompt and its own tokens and goes on exactly as alone."""
-    runner = open_runner(toy_artifact, executor_config=ExecutorConfig(num_cells=400),
+    runner = open_runner(designed.artifact, executor_config=ExecutorConfig(num_cells=400),
                          runner_config=RunnerConfig(token_budget=64))
     try:
         batch = random_prompts(24, seed=3)
@@ -227,7 +238,7 @@ def test_requests_preempted_while_decoding_produce_their_solo_tokens(toy_artifac
         handles = [runner.submit(p, max_new_tokens=60) for p in batch]
         results = [h.result(timeout=300) for h in handles]
         for prompt, result in zip(batch, results):
-            assert result.token_ids == toy_greedy_continuation(prompt, 60)
+            assert result.token_ids == designed.continuation(prompt, 60)
         assert sum(r.stats.preemptions for r in results) >= 10
         assert_only_the_cache_holds_cells(runner)
     finally:
@@ -340,6 +351,44 @@ def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop(tiny_run
     assert stopped.stats.completion_tokens == last
     assert stopped.text == text[:-2]
     assert stopped.finish_reason is FinishReason.STOP
+
+
+def test_a_stop_string_ends_the_request_in_the_engine_too(tiny_runner):
+    """After the token that completes a stop string the request decodes no further (the steps run are its
+    prefill, its decodes up to that token and the one already in flight), runs no more and holds no cell
+    but those the prefix cache keeps."""
+    free = tiny_runner.submit("stop test", max_new_tokens=200, ignore_eos=True)
+    last, _, stop = stop_at_token([event.text for event in free.events(timeout=60) if event.token_id is not None])
+    wait_until_idle(tiny_runner)
+    first_step = tiny_runner.scheduler.step
+    stopped = tiny_runner.generate("stop test", max_new_tokens=200, ignore_eos=True, stop_strings=(stop,))
+    assert stopped.finish_reason is FinishReason.STOP and stopped.stats.completion_tokens == last
+    assert_only_the_cache_holds_cells(tiny_runner)
+    assert tiny_runner.scheduler.step - first_step <= last + 1
+
+
+def test_prefill_pieces_are_never_shorter_than_the_min_prefill_chunk(tiny_artifact):
+    """Two long prompts at once under a small budget: a prompt's piece that does not end it is at least
+    min_prefill_chunk tokens; a step whose room left is smaller runs without it."""
+    min_chunk = 14
+    runner = open_runner(tiny_artifact, executor_config=CELLS,
+                         runner_config=RunnerConfig(token_budget=16, min_prefill_chunk=min_chunk))
+    real_launch = runner.executor.launch
+    pieces: list[tuple[int, bool]] = []  # (tokens, ends its prompt) of every prefill chunk
+
+    def recording_launch(chunks):
+        pieces.extend((len(c.tokens), c.sampling is not None) for c in chunks if len(c.tokens) > 1)
+        return real_launch(chunks)
+
+    runner.executor.launch = recording_launch
+    try:
+        handles = [runner.submit([256] + list(range(length)), max_new_tokens=2) for length in (19, 59)]
+        for handle in handles:
+            assert handle.result(timeout=60).finish_reason is FinishReason.LENGTH
+    finally:
+        runner.close()
+    assert all(count >= min_chunk for count, ends in pieces if not ends), pieces
+    assert any(ends and count < min_chunk for count, ends in pieces)  # a remainder may be shorter
 
 
 def test_the_widest_step_run_at_start_touches_no_real_cell(toy_artifact, monkeypatch):

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS
-from pt2serve.contract import FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, SCRATCH_CELL
+from conftest import RECALL_FORWARD_SIZES, TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS
+from pt2serve.contract import FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, SCRATCH_CELL, forward_name
 from pt2serve.model.eager import EagerSequence, greedy_generate
-from pt2serve.model.presets import build_preset_model, toy_greedy_continuation, toy_successor
+from pt2serve.model.presets import (
+    build_preset_model, toy_greedy_continuation, toy_recall_continuation, toy_successor,
+)
 from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.cells import CellAllocator, CellTable
 from pt2serve.runtime.executor import Executor, ExecutorConfig
@@ -210,6 +212,41 @@ def test_the_width_schedule_reaches_every_method(toy_artifact):
     meta = read_metadata(toy_artifact)
     seen = {m for w in list(range(1, 66)) + [96, 97, 150] for m, _ in hand_calls(w)}
     assert seen == {m for m in meta.method_names if m.startswith("forward")}
+
+
+def test_a_padded_step_that_fills_a_static_widths_entries_runs_on_that_width(recall_artifact):
+    """At every static width of the toy-recall artifact, a step of one token fewer than the width whose context
+    entries, with the padding token's one, fill the width's entry capacity exactly runs on that width; one
+    entry more runs forward_others. Both sample toy-recall's tokens (read from the cells 6 positions back, so
+    any real entry lost to the padding shows) and write no cell but their own tokens' and the scratch cell."""
+    executor = Executor(load_artifact(recall_artifact), ExecutorConfig(num_cells=1024, use_static_methods=True))
+    meta, allocator = executor.artifact.metadata, executor.allocator
+    assert meta.forward_sizes == RECALL_FORWARD_SIZES
+    rng = random.Random(9)
+    for width in meta.forward_sizes:
+        capacity = meta.entries_of(width)
+        for extra, method in ((0, forward_name(width)), (1, FORWARD_OTHERS)):
+            # A chunk of width - 2 tokens ending a long context, and a one-token prompt: width - 1 tokens whose
+            # contexts hold capacity - 1 + extra entries, the padding token's entry making capacity + extra.
+            long_end = capacity - 2 + extra
+            assert long_end <= TEST_MAX_CONTEXT
+            long_tokens = [rng.randrange(VOCAB) for _ in range(long_end)]
+            short_tokens = [rng.randrange(VOCAB)]
+            long_cells, short_cells = allocator.allocate(long_end), allocator.allocate(1)
+            start = long_end - (width - 2)
+            executor.step([Chunk(long_cells, tuple(long_tokens[:start]), 0)])  # the context before the step
+            before = torch.stack(executor.pools).clone()
+            chunks = [Chunk(long_cells, tuple(long_tokens[start:]), start, GREEDY),
+                      Chunk(short_cells, tuple(short_tokens), 0, GREEDY)]
+            result = executor.step(chunks)
+            assert [(c.method, c.num_tokens) for c in result.calls] == [(method, width - 1)], (width, extra)
+            assert result.tokens == (toy_recall_continuation(long_tokens, 1)[0],
+                                     toy_recall_continuation(short_tokens, 1)[0])
+            written = torch.tensor([SCRATCH_CELL, *long_cells[start:], *short_cells])
+            unwritten = torch.ones(allocator.num_cells, dtype=torch.bool).index_fill_(0, written, False)
+            assert torch.equal(torch.stack(executor.pools)[:, unwritten], before[:, unwritten])
+            allocator.free(long_cells)
+            allocator.free(short_cells)
 
 
 @pytest.mark.parametrize("method,width,entries", [("forward_8", 8, 64), ("forward_64", 64, 512), (FORWARD_OTHERS, None, None)])

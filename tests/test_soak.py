@@ -1,5 +1,6 @@
-"""The soak's CI form: `pt2serve serve-artifact` on toy-greedy with a pool small enough to preempt, driven
-by scripts/soak.py for 60 s (PT2SERVE_SOAK_SECONDS to change it); every end-of-run check must pass."""
+"""The soak's CI form: `pt2serve serve-artifact` on toy-recall (every greedy answer exact, and wrong when a K/V
+cell it reads is) with a pool small enough to preempt, driven by scripts/soak.py for 60 s
+(PT2SERVE_SOAK_SECONDS to change it); every end-of-run check must pass."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import pytest
 
-from pt2serve.model.presets import toy_greedy_continuation
+from pt2serve.errors import Pt2ServeError
+from pt2serve.model.presets import toy_greedy_continuation, toy_recall_continuation
 from pt2serve.soak.calls import Target, post, via_openai
 from pt2serve.soak.oracle import Ask, Got, Oracle
 from pt2serve.soak.traffic import Shape, Traffic
@@ -27,13 +30,13 @@ KINDS = {"complete", "complete_stream", "chat", "chat_stream", "stop", "session"
          "cancel", "disconnect", "stall", "bad"}
 
 
-def test_soak_on_the_cpu(toy_artifact, tmp_path):
-    served = ServeProcess(toy_artifact, "--num-cells", "640", "--max-queued", str(MAX_QUEUED), "--max-sessions", "8",
+def test_soak_on_the_cpu(recall_artifact, tmp_path):
+    served = ServeProcess(recall_artifact, "--num-cells", "640", "--max-queued", str(MAX_QUEUED), "--max-sessions", "8",
                           "--drain-timeout", "10")
     try:
         report_path = tmp_path / "soak.json"
         command = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--url", served.url, "--duration",
-                   str(SOAK_SECONDS), "--seed", "0", "--max-queued", str(MAX_QUEUED), "--toy-greedy",
+                   str(SOAK_SECONDS), "--seed", "0", "--max-queued", str(MAX_QUEUED), "--designed", "toy-recall",
                    "--min-requests", str(int(500 * SOAK_SECONDS / 60)), "--expect-preemption", "--json",
                    str(report_path)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=SOAK_SECONDS + 300)
@@ -63,7 +66,7 @@ def test_a_stream_that_goes_silent_is_a_problem_in_the_report_not_a_crash():
         return one_chunk_then_silence()
 
     client = SimpleNamespace(completions=SimpleNamespace(create=create))
-    target = Target("http://soak.test", "m", None, client, Oracle(toy_greedy=False))
+    target = Target("http://soak.test", "m", None, client, Oracle(None))
     outcome = asyncio.run(via_openai(target, "long", Ask([1, 2, 3], 8), stream=True))
     assert outcome.status == 200 and outcome.problem.startswith("ReadTimeout"), outcome
 
@@ -77,7 +80,7 @@ def test_a_request_without_an_answer_in_time_is_a_problem_in_the_report_not_a_cr
 
     async def ask(read_timeout_s):
         async with httpx.AsyncClient(transport=httpx.MockTransport(never_answers)) as http:
-            target = Target("http://soak.test", "m", http, None, Oracle(toy_greedy=False))
+            target = Target("http://soak.test", "m", http, None, Oracle(None))
             outcome, ids = await post(target, "burst", Ask([1, 2, 3], 8), read_timeout_s=read_timeout_s)
         assert ids is None
         return outcome
@@ -95,21 +98,29 @@ def test_a_request_the_server_holds_forever_ends_its_scenario_as_a_problem():
     async def held_forever(rng, kind):
         await asyncio.sleep(3600)
 
-    target = Target("http://soak.test", "m", None, None, Oracle(toy_greedy=False))
+    target = Target("http://soak.test", "m", None, None, Oracle(None))
     traffic = Traffic(target, Shape(64, False, [1, 2]), burst_size=4, session_prefix="s", scenario_timeout_s=0.2)
     traffic._scenarios = {"long": (1, held_forever)}
     [outcome] = asyncio.run(traffic.run_one(random.Random(0)))
     assert outcome.kind == "long" and outcome.status is None and "not answered within" in outcome.problem
 
 
-def test_on_toy_greedy_8b_greedy_answers_are_checked_by_their_ids():
-    """toy-greedy-8b has toy-greedy's design and no tokenizer: its answers carry ids and empty text, and no
-    stop string can match."""
-    oracle = Oracle(toy_greedy=True, has_tokenizer=False)
-    designed = toy_greedy_continuation([1, 2, 3], 4)
-    ask = Ask([1, 2, 3], 4, stop=(" ",))
+@pytest.mark.parametrize("preset, continuation", [("toy-greedy-8b", toy_greedy_continuation),
+                                                  ("toy-recall-8b", toy_recall_continuation)])
+def test_on_an_8b_twin_greedy_answers_are_checked_by_their_ids(preset, continuation):
+    """The -8b twins have their design and no tokenizer: their answers carry ids and empty text, and no stop
+    string can match."""
+    oracle = Oracle(preset, has_tokenizer=False)
+    prompt = list(range(1, 11))  # longer than toy-recall's lag: four different designed ids
+    designed = continuation(prompt, 4)
+    ask = Ask(prompt, 4, stop=(" ",))
     assert oracle.problem(ask, Got("", "length", 4, token_ids=designed)) is None
     assert "differ from the designed" in oracle.problem(ask, Got("", "length", 4, token_ids=designed[:3] + [0]))
-    stopped = Ask([1, 2, 3], 4, stop_token_ids=(designed[1],))
+    stopped = Ask(prompt, 4, stop_token_ids=(designed[1],))
     assert oracle.problem(stopped, Got("", "stop", 2, token_ids=designed[:2])) is None
     assert oracle.problem(stopped, Got("", "length", 4, token_ids=designed)) is not None
+
+
+def test_a_soak_of_a_preset_without_a_design_is_refused():
+    with pytest.raises(Pt2ServeError, match="'tiny' is not a designed preset; designed presets: toy-greedy"):
+        Oracle("tiny")

@@ -1,5 +1,6 @@
-"""Speculative decoding end to end: greedy output identical with any drafts, seeded sampling repeatable, n-gram
-drafts on toy-greedy accepted, rejected cells freed, limits cut in the middle of a step's tokens, refusals."""
+"""Speculative decoding end to end: greedy output identical with any drafts (on toy-greedy and toy-recall),
+seeded sampling repeatable, n-gram drafts on toy-greedy accepted, rejected cells freed, limits cut in the
+middle of a step's tokens, refusals."""
 
 from __future__ import annotations
 
@@ -56,18 +57,16 @@ def speculating_runner(artifact, drafter, num_draft_tokens: int = 4, cells=CELLS
                        runner_config=RunnerConfig(token_budget=token_budget, num_draft_tokens=num_draft_tokens))
 
 
-def toy_truth(tokens, count):
-    return toy_greedy_continuation(tokens, count)
-
-
-@pytest.mark.parametrize("drafter, num_draft_tokens", [
-    (ContinuationDrafter(toy_truth), 4),
-    (ContinuationDrafter(toy_truth, corrupt=0.3, seed=1), 7),
-    (RandomDrafter(seed=2), 3),
-    (NgramDrafter(), 1),
+@pytest.mark.parametrize("make_drafter, num_draft_tokens", [
+    (lambda truth: ContinuationDrafter(truth), 4),
+    (lambda truth: ContinuationDrafter(truth, corrupt=0.3, seed=1), 7),
+    (lambda truth: RandomDrafter(seed=2), 3),
+    (lambda truth: NgramDrafter(), 1),
 ], ids=["known", "corrupted", "random", "ngram-k1"])
-def test_greedy_tokens_are_the_targets_for_any_drafts(toy_artifact, drafter, num_draft_tokens):
-    runner = speculating_runner(toy_artifact, drafter, num_draft_tokens)
+def test_greedy_tokens_are_the_targets_for_any_drafts(designed, make_drafter, num_draft_tokens):
+    """On both designed presets: on toy-recall a rejected draft's K/V left in a cell later read shows."""
+    drafter = make_drafter(designed.continuation)  # a continuation drafter proposes the designed tokens
+    runner = speculating_runner(designed.artifact, drafter, num_draft_tokens)
     try:
         batch = random_prompts(12, seed=num_draft_tokens, max_length=40)
         # Every third request decodes plainly, in the same steps as the speculating ones.
@@ -75,7 +74,7 @@ def test_greedy_tokens_are_the_targets_for_any_drafts(toy_artifact, drafter, num
                    for i, p in enumerate(batch)]
         results = [h.result(timeout=120) for h in handles]
         for i, (prompt, result) in enumerate(zip(batch, results)):
-            assert result.token_ids == toy_greedy_continuation(prompt, 50)
+            assert result.token_ids == designed.continuation(prompt, 50)
             assert result.finish_reason is FinishReason.LENGTH and result.stats.completion_tokens == 50
             if i % 3 == 0:
                 assert result.stats.verify_steps == 0
@@ -120,15 +119,15 @@ def test_tiny_greedy_output_is_unchanged_by_speculation(tiny_artifact):
             runner.close()
 
 
-def test_preemption_while_a_verify_step_is_in_flight_keeps_the_tokens(toy_artifact):
+def test_preemption_while_a_verify_step_is_in_flight_keeps_the_tokens(designed):
     # 24 requests of up to 40 + 60 tokens in a pool of 600 cells: requests are preempted and recomputed.
-    runner = speculating_runner(toy_artifact, ContinuationDrafter(toy_truth, corrupt=0.2, seed=5), 6,
-                                cells=ExecutorConfig(num_cells=600))
+    runner = speculating_runner(designed.artifact, ContinuationDrafter(designed.continuation, corrupt=0.2, seed=5),
+                                6, cells=ExecutorConfig(num_cells=600))
     try:
         batch = random_prompts(24, seed=8, max_length=40)
         handles = [runner.submit(p, max_new_tokens=60) for p in batch]
         for prompt, handle in zip(batch, handles):
-            assert handle.result(timeout=180).token_ids == toy_greedy_continuation(prompt, 60)
+            assert handle.result(timeout=180).token_ids == designed.continuation(prompt, 60)
         assert runner.scheduler.num_preemptions > 0
         assert_only_the_cache_holds_cells(runner)
     finally:

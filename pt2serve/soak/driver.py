@@ -40,7 +40,7 @@ async def _run(options: SoakOptions) -> SoakReport:
         has_tokenizer = await _has_tokenizer(http, root, model)
         rng = random.Random(options.seed)
         shape = Shape(max_context, has_tokenizer, [rng.randrange(256) for _ in range(min(64, max_context // 4))])
-        target = Target(root, model, http, client, Oracle(options.toy_greedy, has_tokenizer))
+        target = Target(root, model, http, client, Oracle(options.designed, has_tokenizer))
         traffic = Traffic(target, shape, options.burst_size, session_prefix=f"soak-{options.seed}-{time.time_ns()}",
                           scenario_timeout_s=options.scenario_timeout_s)
         before = await read_metrics(watch_http, root)

@@ -15,7 +15,7 @@ class SoakOptions:
     concurrency: int = 16  # clients running scenarios at once (a burst adds more for a moment)
     max_queued: int | None = None  # the server's --max-queued: bursts go past it; None: bursts of 2 x concurrency
     api_key: str | None = None
-    toy_greedy: bool = False  # the server serves toy-greedy: greedy requests must return their designed ids
+    designed: str | None = None  # the designed preset the server serves: greedy requests return its designed ids
     warmup_s: float = 5.0  # memory baselines are read after this much traffic
     request_timeout_s: float = 120.0  # the client's wait for each read
     scenario_timeout_s: float = 300.0  # a scenario's whole time (a kept-alive stream can outlast any read timeout)

@@ -3,17 +3,22 @@
 Any model: a finish reason of length or stop; length means exactly max_tokens; a stream has one chunk
 per token and ends with [DONE]; no stop string in the text.
 
-toy-greedy (greedy output designed, see pt2serve.model.presets): a greedy request returns exactly its
-designed ids, cut after the first stop token id or once the text holds a stop string, and its text is
-their decode up to that stop string. The stop strings the soak asks for there have no U+FFFD, which can
-stand for an unfinished character that later tokens complete. toy-greedy-8b has the same design and no
-tokenizer: its prompts are token ids, its text is empty and no stop string can match.
+A designed preset (greedy output known in advance, see pt2serve.model.presets: toy-greedy, toy-recall and
+their -8b twins): a greedy request returns exactly its designed ids, cut after the first stop token id or
+once the text holds a stop string, and its text is their decode up to that stop string. The stop strings
+the soak asks for there have no U+FFFD, which can stand for an unfinished character that later tokens
+complete. On toy-recall each designed id is read from the K/V of a token 6 positions back, so an answer is
+wrong when a K/V cell it reads is (written to the wrong cell, reused from the wrong prefix or lost in a
+preemption), where toy-greedy's answers only see the newest token. The -8b twins have no tokenizer: their
+prompts are token ids, their text is empty and no stop string can match.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from pt2serve.errors import Pt2ServeError
 
 
 @dataclass(frozen=True)
@@ -63,22 +68,26 @@ class Expected:
 
 
 class Oracle:
-    def __init__(self, toy_greedy: bool, has_tokenizer: bool = True) -> None:
+    def __init__(self, designed: str | None, has_tokenizer: bool = True) -> None:
+        """`designed`: the designed preset the server serves, or None for any other model."""
         self._designed = None
-        self.tokenizer = None  # the server's byte tokenizer, on toy-greedy; None: the server has none
-        if toy_greedy:  # imported only here: the model code pulls in torch
-            from pt2serve.model.presets import byte_tokenizer_files, toy_greedy_continuation
+        self.tokenizer = None  # the server's byte tokenizer, on a designed preset; None: the server has none
+        if designed is not None:  # imported only here: the model code pulls in torch
+            from pt2serve.model.presets import DESIGNED_CONTINUATIONS, byte_tokenizer_files
             from pt2serve.tokenizer import Tokenizer
 
+            if designed not in DESIGNED_CONTINUATIONS:
+                raise Pt2ServeError(f"--designed {designed!r} is not a designed preset; designed presets: "
+                                    f"{', '.join(DESIGNED_CONTINUATIONS)}")
             self.tokenizer = Tokenizer(byte_tokenizer_files()) if has_tokenizer else None
-            self._designed = toy_greedy_continuation
+            self._designed = DESIGNED_CONTINUATIONS[designed]
 
     @property
     def knows_tokens(self) -> bool:
         return self._designed is not None
 
     def expect(self, ask: Ask) -> Expected | None:
-        """The exact answer to a greedy request on toy-greedy; None where only the general rules apply."""
+        """The exact answer to a greedy request on a designed preset; None where only the general rules apply."""
         if self._designed is None or ask.temperature != 0:
             return None
         prompt = ask.prompt

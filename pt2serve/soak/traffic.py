@@ -2,7 +2,7 @@
 
     complete, complete_stream   completions through the openai client, text or token-id prompts
     chat, chat_stream           chat completions through the openai client (servers with a tokenizer)
-    stop                        stop strings and stop token ids (on toy-greedy cut inside the designed text)
+    stop                        stop strings and stop token ids (on a designed preset cut inside the designed text)
     session                     2-3 turns extending one X-Session-ID's history (raw HTTP, token ids)
     prefix                      a long prompt prefix shared by every such request (prefix-cache hits)
     long                        long prompts and outputs: with a small pool, requests get preempted
@@ -12,7 +12,7 @@
     stall                       a stream the client stops reading for a while, then reads to its end
     bad                         a malformed or out-of-limits request: the right 4xx, in OpenAI's shape
 
-Greedy requests (70%) are checked exactly on toy-greedy; the rest sample with a seed.
+Greedy requests (70%) are checked exactly on a designed preset; the rest sample with a seed.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Traffic:
 
     async def stop(self, rng: random.Random, kind: str) -> Outcome:
         ask = self._ask(rng, self._prompt(rng), max_new=48)
-        ask = Ask(ask.prompt, ask.max_tokens)  # greedy: on toy-greedy the stops fall where designed
+        ask = Ask(ask.prompt, ask.max_tokens)  # greedy: on a designed preset the stops fall where designed
         designed = self.target.oracle.expect(ask)
         if designed is not None and designed.ids:
             if rng.random() < 0.5:
@@ -138,7 +138,7 @@ class Traffic:
             room = self.shape.max_context - len(history) - 1
             if room < 2:
                 break
-            ask = Ask(history, rng.randint(1, min(16, room)))  # greedy: each turn checked on toy-greedy
+            ask = Ask(history, rng.randint(1, min(16, room)))  # greedy: each turn checked on a designed preset
             outcome, ids = await post(self.target, kind, ask, headers)
             outcomes.append(outcome)
             if ids is None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU: a 10-minute soak of the 8B (PRESET: llama-3.1-8b, or toy-greedy-8b, whose greedy answers are then
-# checked against their designed ids). Export it (skipped when /tmp/model.pt2 exists), serve it with a KV
+# GPU: a 10-minute soak of the 8B (PRESET: llama-3.1-8b, or toy-greedy-8b or toy-recall-8b, whose greedy
+# answers are then checked against their designed ids). Export it (skipped when /tmp/model.pt2 exists), serve it with a KV
 # pool small enough to preempt, drive it with scripts/soak.py (token-id prompts: neither preset has a
 # tokenizer), then stop the server with SIGTERM, which must drain and exit 0. Tables last.
 #
@@ -19,7 +19,7 @@ DURATION=${DURATION:-600}
 NUM_CELLS=${NUM_CELLS:-4097}   # one max-context sequence: concurrent long requests must preempt
 MAX_QUEUED=${MAX_QUEUED:-64}
 WARMUP=${WARMUP:-60}   # seconds of traffic before the memory baselines
-DESIGNED=$([ "$PRESET" = toy-greedy-8b ] && echo 1)
+DESIGNED=$(case "$PRESET" in toy-*) echo "$PRESET";; esac)
 
 if ! python3 -c "import fastapi, uvicorn, pydantic, prometheus_client, openai" 2>/dev/null; then
   wheels=$(ls .whl/*.whl 2>/dev/null | grep -v typing_extensions)
@@ -47,7 +47,7 @@ head -2 "$OUT/server.log"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader || true
 
 python3 scripts/soak.py --url "http://127.0.0.1:$PORT" --duration "$DURATION" --seed 0 --concurrency 32 \
-  --max-queued "$MAX_QUEUED" --warmup "$WARMUP" --expect-preemption ${DESIGNED:+--toy-greedy} \
+  --max-queued "$MAX_QUEUED" --warmup "$WARMUP" --expect-preemption ${DESIGNED:+--designed "$DESIGNED"} \
   --json "$OUT/soak.json" > "$OUT/soak.txt" 2>&1
 soak=$?
 
