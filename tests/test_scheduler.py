@@ -451,18 +451,18 @@ def test_prompts_that_do_not_fit_together_wait_for_room_instead_of_going_back_an
 
 
 def test_the_latest_arrival_gives_way_first():
-    """Three requests decode on a pool with no cell left: the oldest's next cell comes from the latest
-    arrival, preempted; the middle one keeps running."""
-    # 15 usable cells: the three prompts and each one's next cell, which admission makes sure of.
-    scheduler = make_scheduler(num_cells=16, budget=64, min_chunk=1)
-    oldest, middle, latest = [add_request_with(scheduler, list(range(start, start + 4)), max_new=8)
-                              for start in (1, 100, 200)]
-    run_step(scheduler)  # all three prompts in one step
+    """Four requests decode on a pool with no cell left: a cell for an earlier one comes from the latest
+    arrival, preempted; the two in between keep running (with three, the latest is also the first later
+    arrival, and the order would not show)."""
+    # 20 usable cells: the four prompts and each one's next cell, which admission makes sure of.
+    scheduler = make_scheduler(num_cells=21, budget=64, min_chunk=1)
+    requests = [add_request_with(scheduler, list(range(start, start + 4)), max_new=8) for start in (1, 100, 200, 300)]
+    run_step(scheduler)  # all four prompts in one step
     run_step(scheduler)  # one decode each: the last free cells
-    assert scheduler.allocator.num_free == 0 and all(r.is_decoding for r in (oldest, middle, latest))
-    assert [r.stats.preemptions for r in (oldest, middle, latest)] == [0, 0, 0]
+    assert scheduler.allocator.num_free == 0 and all(r.is_decoding for r in requests)
+    assert [r.stats.preemptions for r in requests] == [0, 0, 0, 0]
     run_step(scheduler)
-    assert [r.stats.preemptions for r in (oldest, middle, latest)] == [0, 0, 1]
+    assert [r.stats.preemptions for r in requests] == [0, 0, 0, 1]
     while scheduler.has_work():
         run_step(scheduler)
     assert_pool_returns_to_empty(scheduler)
