@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pt2serve.kernels.linear_choice import QuantFormat, quant_choice
+from pt2serve.kernels.linear_choice import quant_choice
+from pt2serve.kernels.linear_configs import QuantFormat
 
 SUPPORTED_BITS = (4, 8)
 INT4_BLOCK_COLUMNS = 256  # columns of one split-halves block: 128 bytes, a cache line per row

@@ -55,7 +55,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.library import triton_op, wrap_triton
 
-from pt2serve.kernels.linear_choice import QuantLaunchConfig
+from pt2serve.kernels.linear_configs import QuantLaunchConfig
 from pt2serve.kernels.quant_linear import INT4_BLOCK_COLUMNS
 
 SMALL_M_MAX = 64
