@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from fresh_process import run_without_interpreter  # noqa: E402
-from pt2serve.kernels.quant_linear import dequantize, pack, reference_quant_linear  # noqa: E402
+from pt2serve.kernels.quant_format import dequantize, pack, reference_quant_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -180,7 +180,7 @@ def test_operator_exports_with_a_dynamic_width(tmp_path):
     script = textwrap.dedent("""
         import torch
         from torch.export import Dim
-        from pt2serve.kernels.quant_linear import pack
+        from pt2serve.kernels.quant_format import pack
         from pt2serve.kernels import quant_linear_triton  # noqa: F401
 
         class Layer(torch.nn.Module):
@@ -352,7 +352,8 @@ def test_a_chosen_config_is_traced_into_the_call(tmp_path):
         import torch
         from pt2serve.kernels.linear_choice import LinearChoices, choice_key, using
         from pt2serve.kernels.linear_configs import QuantFormat, QuantLaunchConfig
-        from pt2serve.kernels.quant_linear import pack, triton_quant_linear
+        from pt2serve.kernels.quant_format import pack
+        from pt2serve.kernels.quant_linear import triton_quant_linear
 
         class Layer(torch.nn.Module):
             def __init__(self):
