@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from pt2serve.cli_errors import fail
 from pt2serve.contract import FP8_FORMAT
 from pt2serve.errors import Pt2ServeError
 from pt2serve.export.defaults import (
@@ -25,12 +26,6 @@ from pt2serve.runtime_flags import num_draft_tokens_option, speculate_option, sp
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
-
-
-def fail(message: str) -> None:
-    """Print a user error without a traceback and exit non-zero."""
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(code=2)
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from pt2serve.kernels import quant_linear_triton as qlt  # noqa: E402
-from pt2serve.kernels.linear_choice import QuantLaunchConfig  # noqa: E402
+from pt2serve.kernels.linear_configs import QuantLaunchConfig  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 THREADS_PER_WARP = 32

@@ -20,10 +20,11 @@ from typer.testing import CliRunner
 from pt2serve.bench import RequestsOptions, SweepOptions, drive_runner, run_requests, sweep_executor
 from pt2serve.bench.options import parse_tokens, resolve_tokens
 from pt2serve.bench.peer import EagerPeer
-from pt2serve.bench.requests_mode import RequestTiming, arrival_times, summarise
+from pt2serve.bench.request_timing import RequestTiming, summarise
 from pt2serve.bench.roofline import MachineLimits, ModelCost, step_cost
 from pt2serve.bench.sweep import RowPlan, _analyse, plan_row
 from pt2serve.bench.timing import StepShape, StepTiming
+from pt2serve.bench.workload import arrival_times
 from pt2serve.cli import app
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.artifact import load_artifact, read_metadata

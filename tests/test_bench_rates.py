@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from pt2serve.bench.options import LatencyTargets, RequestsOptions, parse_rates
 from pt2serve.bench.rates import RateSweepResult, run_request_rates
 from pt2serve.bench.report import rates_table
-from pt2serve.bench.requests_mode import RequestsResult, RequestTiming, arrival_times, summarise
+from pt2serve.bench.request_timing import RequestsResult, RequestTiming, summarise
+from pt2serve.bench.workload import arrival_times
 from pt2serve.cli import app
 from pt2serve.errors import Pt2ServeError
 

@@ -237,7 +237,8 @@ def test_fp8_linear_on_cuda_is_its_reference(num_rows):
     """The GPU paths (torch._scaled_mm without a choice, the small-M kernel with one, SwiGLU fused) compute the
     reference's function of the same e4m3 operands, within bf16's rounding of the output and the FP8 tensor
     cores' accumulation (narrower than fp32: on the H200 one output in 512 was 0.02 off at a row maximum of 300)."""
-    from pt2serve.kernels.linear_choice import FP8_LINEAR, FP8_SWIGLU, LinearChoices, choice_key, using
+    from pt2serve.kernels.linear_choice import LinearChoices, choice_key, using
+    from pt2serve.kernels.linear_configs import FP8_LINEAR, FP8_SWIGLU
     from pt2serve.kernels.fp8_linear import reference_scaled_matmul
 
     gen = torch.Generator().manual_seed(num_rows)

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from pt2serve.errors import Pt2ServeError
 from pt2serve.export import inductor_fixes
 from pt2serve.export.options import ExportOptions
-from pt2serve.kernels.quant_linear import dequantize, pack, quant_linear, reference_quant_linear, unpack
+from pt2serve.kernels.quant_format import dequantize, pack, reference_quant_linear, unpack
+from pt2serve.kernels.quant_linear import quant_linear
 from pt2serve.model.checkpoint import load_checkpoint, load_model
 from pt2serve.model.eager import EagerSequence, greedy_generate
 from pt2serve.model.presets import build_preset_model, toy_greedy_continuation

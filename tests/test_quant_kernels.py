@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from fresh_process import run_without_interpreter  # noqa: E402
-from pt2serve.kernels.quant_linear import dequantize, pack, reference_quant_linear  # noqa: E402
+from pt2serve.kernels.quant_format import dequantize, pack, reference_quant_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -180,7 +180,7 @@ def test_operator_exports_with_a_dynamic_width(tmp_path):
     script = textwrap.dedent("""
         import torch
         from torch.export import Dim
-        from pt2serve.kernels.quant_linear import pack
+        from pt2serve.kernels.quant_format import pack
         from pt2serve.kernels import quant_linear_triton  # noqa: F401
 
         class Layer(torch.nn.Module):
@@ -240,7 +240,7 @@ def quantized_tiny_model(scheme: str, group_size: int | None):
 
 def test_model_matmuls_lists_quantized_projections_by_format():
     from pt2serve.export.linear_tuning import MatmulShape, model_matmuls
-    from pt2serve.kernels.linear_choice import QuantFormat
+    from pt2serve.kernels.linear_configs import QuantFormat
 
     model = quantized_tiny_model("int4", 32)
     cfg = model.config
@@ -262,8 +262,8 @@ def test_model_matmuls_lists_quantized_projections_by_format():
 
 
 def test_choices_keep_the_config_class_of_their_kind():
-    from pt2serve.kernels.linear_choice import (
-        LaunchConfig, LinearChoices, QuantFormat, QuantLaunchConfig, choice_key)
+    from pt2serve.kernels.linear_choice import LinearChoices, choice_key
+    from pt2serve.kernels.linear_configs import LaunchConfig, QuantFormat, QuantLaunchConfig
 
     fmt = QuantFormat(8, 4096, has_zeros=False, has_perm=True)
     choices = LinearChoices({
@@ -350,8 +350,10 @@ def test_a_chosen_config_is_traced_into_the_call(tmp_path):
     operator with its config as arguments, another width the default operator."""
     script = textwrap.dedent("""
         import torch
-        from pt2serve.kernels.linear_choice import LinearChoices, QuantFormat, QuantLaunchConfig, choice_key, using
-        from pt2serve.kernels.quant_linear import pack, triton_quant_linear
+        from pt2serve.kernels.linear_choice import LinearChoices, choice_key, using
+        from pt2serve.kernels.linear_configs import QuantFormat, QuantLaunchConfig
+        from pt2serve.kernels.quant_format import pack
+        from pt2serve.kernels.quant_linear import triton_quant_linear
 
         class Layer(torch.nn.Module):
             def __init__(self):

@@ -29,7 +29,6 @@ from pt2serve.export.linear_tuning import (  # noqa: E402
     rotation_copies,
 )
 from pt2serve.kernels.linear_choice import (  # noqa: E402
-    LaunchConfig,
     LinearChoices,
     candidates,
     choice_key,
@@ -37,6 +36,7 @@ from pt2serve.kernels.linear_choice import (  # noqa: E402
     swiglu_linear,
     using,
 )
+from pt2serve.kernels.linear_configs import LaunchConfig  # noqa: E402
 from pt2serve.model.presets import build_preset_model  # noqa: E402
 from pt2serve.export.methods import example_step  # noqa: E402
 

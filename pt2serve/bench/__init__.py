@@ -1,7 +1,8 @@
 """`pt2serve bench`: measure an artifact where requests really enter, the runner.
 
 - sweep.py: throughput at each step width T, beside the machine's physical limit (roofline.py);
-- requests_mode.py / http_client.py: N requests over time, in-process or against a running server;
+- requests_mode.py: N requests over time (workload.py, conversations.py), in-process (in_process.py) or
+  against a running server (http_client.py), each request timed and the run summarised (request_timing.py);
 - report.py: the table, the JSON document and the plot; command.py: the CLI.
 
 The Python API (imported lazily, so the CLI starts fast):
@@ -17,8 +18,8 @@ _EXPORTS = {
     "sweep_executor": "pt2serve.bench.sweep",
     "SweepResult": "pt2serve.bench.sweep",
     "run_requests": "pt2serve.bench.requests_mode",
-    "drive_runner": "pt2serve.bench.requests_mode",
-    "RequestsResult": "pt2serve.bench.requests_mode",
+    "drive_runner": "pt2serve.bench.in_process",
+    "RequestsResult": "pt2serve.bench.request_timing",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,6 +9,8 @@ from typing import Optional
 import typer
 
 from pt2serve.bench.options import DEFAULT_TPOT_TARGET_MS, DEFAULT_TTFT_TARGET_MS
+from pt2serve.cli_errors import fail
+from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime_flags import (
     kv_memory_fraction_option,
     kv_pool,
@@ -117,20 +119,13 @@ def bench_command(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every number to this JSON file."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG plot here (needs matplotlib)."),
 ) -> None:
-    from pt2serve.cli import fail
-    from pt2serve.errors import Pt2ServeError
-
     try:
-        _run(**locals_without(locals(), "fail", "Pt2ServeError"))
+        _run(**locals())
     except Pt2ServeError as err:
         fail(str(err))
 
 
 bench_command.__doc__ = _HELP
-
-
-def locals_without(values: dict, *names: str) -> dict:
-    return {k: v for k, v in values.items() if k not in names}
 
 
 def _run(
@@ -146,7 +141,6 @@ def _run(
 
     from pt2serve.bench.options import MODES, LatencyTargets, RequestsOptions, SweepOptions, parse_rates, parse_tokens
     from pt2serve.bench.progress import StatusLine
-    from pt2serve.errors import Pt2ServeError
     from pt2serve.runtime.artifact import read_metadata
     from pt2serve.runtime.executor import ExecutorConfig
 

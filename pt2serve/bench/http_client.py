@@ -14,17 +14,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
 from pt2serve.bench.conversations import ChatScript, chat_script, conversation_timings
 from pt2serve.bench.options import RequestsOptions
-from pt2serve.bench.requests_mode import RequestTiming, RequestsResult, arrival_times, make_prompts, summarise
+from pt2serve.bench.progress import Progress
+from pt2serve.bench.request_timing import RequestsResult, RequestTiming, summarise
+from pt2serve.bench.workload import arrival_times, make_prompts
 from pt2serve.errors import Pt2ServeError
 from pt2serve.tokenizer import Tokenizer
 
-Progress = Callable[[str], None]
 FALLBACK_VOCAB = 256  # prompt ids are drawn from [0, this) when no artifact says the vocabulary size
 
 

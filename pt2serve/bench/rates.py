@@ -12,7 +12,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pt2serve.bench.options import RequestsOptions
-from pt2serve.bench.requests_mode import Progress, RequestsResult, open_target
+from pt2serve.bench.progress import Progress
+from pt2serve.bench.request_timing import RequestsResult
+from pt2serve.bench.requests_mode import open_target
 
 
 @dataclass

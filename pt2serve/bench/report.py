@@ -13,7 +13,7 @@ from rich.table import Table
 from pt2serve.bench.environment import artifact_summary, machine_info, versions
 from pt2serve.bench.quality import QualityResult
 from pt2serve.bench.rates import RateSweepResult
-from pt2serve.bench.requests_mode import RequestsResult
+from pt2serve.bench.request_timing import RequestsResult
 from pt2serve.bench.sweep import SweepResult, SweepRow
 from pt2serve.errors import Pt2ServeError
 

@@ -28,17 +28,8 @@ from tqdm import tqdm
 
 from pt2serve.kernels.fp8_linear import has_kernel_shape
 from pt2serve.kernels.graph_timing import graph_replay_ms
-from pt2serve.kernels.linear_choice import (
-    FP8_LINEAR,
-    FP8_SWIGLU,
-    SMALL_M_MAX,
-    LaunchConfig,
-    LinearChoices,
-    QuantFormat,
-    QuantLaunchConfig,
-    candidates,
-    choice_key,
-)
+from pt2serve.kernels.linear_choice import SMALL_M_MAX, LinearChoices, candidates, choice_key
+from pt2serve.kernels.linear_configs import FP8_LINEAR, FP8_SWIGLU, LaunchConfig, QuantFormat, QuantLaunchConfig
 from pt2serve.model.fp8 import Fp8Linear
 from pt2serve.model.model import Embedding, Linear, Transformer
 from pt2serve.model.quant import QuantizedEmbedding, QuantizedLinear

@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pt2serve.kernels.linear_choice import FP8_LINEAR, FP8_SWIGLU, LaunchConfig, dense_choice
+from pt2serve.kernels.linear_choice import dense_choice
+from pt2serve.kernels.linear_configs import FP8_LINEAR, FP8_SWIGLU, LaunchConfig
 
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn

@@ -4,96 +4,31 @@ A decode step's matmuls are bound by reading the weights: the best kernel stream
 memory bandwidth and starts and ends quickly, since a step runs four per layer back to back. cuBLAS is close
 on large weights and loses microseconds per call on small ones; which kernel wins depends on the shape and
 the width, so the exporter times them on the GPU (export/linear_tuning.py) and the model traces the winner of
-each (kind, N, K, M, dtype) into the method. `LinearChoices` maps those keys to a launch config of the Triton
-kernels in small_m_linear.py; a shape without an entry stays a plain matmul (cuBLAS). Nothing is tuned at
-load: the config is part of the traced call.
+each (kind, N, K, M, dtype) into the method. `LinearChoices` maps those keys to a launch config
+(linear_configs.py) of the Triton kernels in small_m_linear.py; a shape without an entry stays a plain matmul
+(cuBLAS). Nothing is tuned at load: the config is part of the traced call.
 
 Quantized weights (kernels/quant_linear.py) always run their own small-M kernel at these widths; the choice
 there is its launch config (QuantLaunchConfig, keyed by the weight's format as the kind, e.g. int4g128-zeros),
 and a weight without an entry takes the kernel's default config.
 
 This module needs no Triton: the model imports it on machines without one, and only a chosen key loads the
-kernels.
+kernels (which import the configs from linear_configs.py, never this module).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
+from pt2serve.kernels.linear_configs import DENSE_KINDS, LaunchConfig, QuantFormat, QuantLaunchConfig
+
 SMALL_M_MAX = 64
 GEMV_M_MAX = 4  # the gemv kernel's products grow with M: wider, tensor cores do the multiply
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Tiles and launch shape of one small-M kernel call."""
-
-    use_dot: bool  # tl.dot on tensor cores, or the gemv kernel's multiply and sum
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int = 1
-
-    @property
-    def name(self) -> str:
-        return (f"{'dot' if self.use_dot else 'gemv'} m{self.block_m} n{self.block_n} k{self.block_k} "
-                f"w{self.num_warps} s{self.num_stages}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class QuantLaunchConfig:
-    """Tiles and launch shape of one call of the quantized small-M kernel (kernels/quant_linear_triton.py)."""
-
-    use_dot: bool  # tl.dot on tensor cores, or the gemv kernel's multiply and sum
-    block_m: int
-    block_n: int
-    block_bytes: int  # packed bytes of each weight row per step (int4: divides the format's 128-byte block)
-    num_warps: int
-    num_stages: int
-    split_k: int = 1
-    # One-row gemv only: each thread loads the x it multiplies straight from global memory (L1), instead of
-    # x reaching the threads through shared memory and two barriers per run.
-    x_direct: bool = False
-
-    @property
-    def name(self) -> str:
-        kind = "dot" if self.use_dot else "gemv"
-        return (f"{kind} m{self.block_m} n{self.block_n} b{self.block_bytes} w{self.num_warps} "
-                f"s{self.num_stages} k{self.split_k}" + (" xd" if self.x_direct else ""))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class QuantFormat:
-    """What the quantized kernel is specialized on besides the shape: its choices are keyed by it."""
-
-    bits: int
-    group_size: int  # as the operator takes it: K for one group per row
-    has_zeros: bool
-    has_perm: bool
-
-    @property
-    def kind(self) -> str:
-        """The choice key's kind, e.g. "int4g128-zeros" or "int8g4096"."""
-        return f"int{self.bits}g{self.group_size}" + "-zeros" * self.has_zeros + "-perm" * self.has_perm
-
-
-# FP8 weights (kernels/fp8_linear.py) run the same small-M kernels on e4m3 operands: their own kinds, since
-# their timings differ from bf16's at the same shape.
-FP8_LINEAR, FP8_SWIGLU = "fp8-linear", "fp8-swiglu"
-DENSE_KINDS = ("linear", "swiglu", FP8_LINEAR, FP8_SWIGLU)
 
 
 # gemv holds BLOCK_M x BLOCK_N x BLOCK_K fp32 products per program (two sets with SwiGLU): at most this many

@@ -1,4 +1,4 @@
-"""Triton kernels of the weight-only quantized linear (format and reference: quant_linear.py).
+"""Triton kernels of the weight-only quantized linear (format and reference: quant_format.py).
 
 Registered as torch.ops.pt2serve.quant_linear with torch.library.triton_op, so torch.export keeps the op and
 AOTInductor compiles its kernels (and the torch ops around them) into the artifact; it runs inside CUDA
@@ -25,7 +25,7 @@ Which path serves a call is fixed when the method is traced:
   so this runs near the bf16 rate; forward_others serves narrow steps too when CUDA graphs are off, and
   then pays the dequantization on every call.
 
-A run (one nibble, or the byte, of BLOCK_B consecutive bytes: consecutive columns, see quant_linear.py)
+A run (one nibble, or the byte, of BLOCK_B consecutive bytes: consecutive columns, see quant_format.py)
 lies inside one group whenever the group size is a multiple of BLOCK_B (UNIFORM_GROUPS); then the kernels
 load one scale and zero per row and run instead of per weight, and the dot kernel multiplies x by the
 exact q - zero (an integer of at most 9 bits: exact in bf16 and fp16) and scales the run's product once
@@ -55,8 +55,8 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.library import triton_op, wrap_triton
 
-from pt2serve.kernels.linear_choice import QuantLaunchConfig
-from pt2serve.kernels.quant_linear import INT4_BLOCK_COLUMNS
+from pt2serve.kernels.linear_configs import QuantLaunchConfig
+from pt2serve.kernels.quant_format import INT4_BLOCK_COLUMNS
 
 SMALL_M_MAX = 64
 GEMV_M_MAX = 8  # the gemv kernel's broadcast product grows with M: above this, tensor cores win

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from pt2serve.kernels.linear_choice import LaunchConfig
+from pt2serve.kernels.linear_configs import LaunchConfig
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Weight-only quantized layers and `export --quantize`: the model's linear layers become one operator.
 
-A quantized layer holds the packed format of kernels/quant_linear.py as buffers (qweight, scales, zeros,
+A quantized layer holds the packed format of kernels/quant_format.py as buffers (qweight, scales, zeros,
 perm), so the exporter stores them once in the artifact like any weight. Layers are swapped in place of
 the float ones by name (install_quantized_modules): the model code builds float layers, and whoever holds
 quantized weights (the RTN quantizer below, a GPTQ/AWQ checkpoint, the artifact's weights) replaces them.
@@ -25,19 +25,13 @@ from torch import nn
 from pt2serve.errors import Pt2ServeError
 from pt2serve.contract import FP8_FORMAT
 from pt2serve.model.fp8 import describe_fp8, fp8_names_from_weights, install_fp8_modules, quantize_model_fp8
-from pt2serve.kernels.quant_linear import (
-    INT4_BLOCK_COLUMNS,
-    SUPPORTED_BITS,
-    dequantize,
-    pack,
-    quant_linear,
-    values_per_byte,
-)
+from pt2serve.kernels.quant_format import INT4_BLOCK_COLUMNS, SUPPORTED_BITS, dequantize, pack, values_per_byte
+from pt2serve.kernels.quant_linear import quant_linear
 
 SCHEMES = {"int8": 8, "int4": 4, "fp8": 8}  # fp8: model/fp8.py's e4m3 layers, activations quantized too
 DEFAULT_GROUP_SIZE = {8: None, 4: 128}  # None: one group per output row
 QUANTIZED_SUFFIXES = ("qweight", "scales", "zeros", "perm")
-# How qweight's bytes hold the values (kernels/quant_linear.py), recorded in the artifact: the eager peer
+# How qweight's bytes hold the values (kernels/quant_format.py), recorded in the artifact: the eager peer
 # rebuilds layers from an artifact's weights and must not read another layout as this one.
 PACKING = {8: "bytes", 4: f"split-halves-{INT4_BLOCK_COLUMNS}"}
 
@@ -93,7 +87,7 @@ def _num_groups(in_features: int, group_size: int) -> int:
 
 
 class _PackedRows(nn.Module):
-    """The buffers of an [out, in] packed matrix; see kernels/quant_linear.py for the format."""
+    """The buffers of an [out, in] packed matrix; see kernels/quant_format.py for the format."""
 
     def __init__(self, in_features: int, out_features: int, fmt: LinearFormat) -> None:
         super().__init__()

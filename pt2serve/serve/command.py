@@ -14,6 +14,8 @@ from typing import Optional
 
 import typer
 
+from pt2serve.cli_errors import fail
+from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime_flags import (
     kv_memory_fraction_option,
     kv_pool,
@@ -98,9 +100,6 @@ def serve_artifact_command(
                                   "request, why a request was refused and the request fields it ignored)."),
 ) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
-    from pt2serve.cli import fail
-    from pt2serve.errors import Pt2ServeError
-
     if device is not None and device not in DEVICES:
         fail(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
     if log_level not in LOG_LEVELS:

@@ -42,7 +42,7 @@ import triton.language as tl  # noqa: E402
 from pt2serve.export.linear_tuning import rotation_copies  # noqa: E402
 from pt2serve.kernels import quant_linear_triton as kernels  # noqa: E402  (registers the op)
 from pt2serve.kernels.graph_timing import graph_replay_ms  # noqa: E402
-from pt2serve.kernels.quant_linear import pack, reference_quant_linear, unpack  # noqa: E402
+from pt2serve.kernels.quant_format import pack, reference_quant_linear, unpack  # noqa: E402
 
 GPU_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
               "down_proj": (4096, 14336)}
