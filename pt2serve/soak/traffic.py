@@ -199,7 +199,11 @@ class Traffic:
         problem = None
         try:
             error = reply.json()["error"]
-            if reply.status_code != status or error.get("param") != param or not error.get("message"):
+            # A full server refuses before it reads the prompt (admission comes before tokenizing): a 429 for
+            # "queue_full" is a right answer to a bad request too.
+            is_shed = reply.status_code == 429 and error.get("code") == "queue_full"
+            if not is_shed and (reply.status_code != status or error.get("param") != param
+                                or not error.get("message")):
                 problem = f"expected {status} on {param!r}, got {reply.status_code}: {reply.text[:200]}"
         except (ValueError, KeyError, TypeError):
             problem = f"expected {status} in OpenAI's error shape, got {reply.status_code}: {reply.text[:200]}"
