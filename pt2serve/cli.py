@@ -141,9 +141,10 @@ def inspect_command(
     from pt2serve.runtime.artifact import read_metadata
 
     try:
-        meta = read_metadata(artifact).raw
+        metadata = read_metadata(artifact)
     except Pt2ServeError as err:
         fail(str(err))
+    meta = metadata.raw
     if as_json:
         sys.stdout.write(json.dumps(meta, indent=2) + "\n")
         return
@@ -160,7 +161,7 @@ def inspect_command(
         ("dtype / backend / attention", f"{meta['dtype']} / {meta['backend']} / {meta.get('attention', 'masked')}"),
         ("max context", meta["max_context"]),
         ("max cells", meta["max_cells"]),
-        ("KV cells", describe_kv_cells(meta["cache"])),
+        ("KV cells", describe_kv_cells(metadata)),
         ("forward sizes", ", ".join(map(str, meta["forward_sizes"]))),
         ("max step tokens", meta["max_step_tokens"]),
         ("min prefill chunk", meta["min_prefill_chunk"]),
@@ -216,12 +217,13 @@ def _untuned_and_tuned(step_ms: dict) -> tuple[float, float]:
     return step_ms["cublas"], step_ms["chosen"]  # records from before quantized weights were tuned
 
 
-def describe_kv_cells(cache: dict) -> str:
+def describe_kv_cells(metadata) -> str:
     """One line for `inspect`: the cells' dtype and bytes per token."""
-    fp8 = cache["dtype"] == "fp8"
-    per_token = cache["num_layers"] * 2 * cache["num_kv_heads"] * cache["head_dim"] * (1 if fp8 else {
-        "fp32": 4, "bf16": 2, "fp16": 2}[cache["dtype"]])
-    kind = "fp8 e4m3, a scale per layer and KV head" if fp8 else cache["dtype"]
+    from pt2serve.runtime.cells import bytes_per_cell
+
+    cache = metadata.cache
+    per_token = bytes_per_cell(cache["num_layers"], cache["num_kv_heads"], cache["head_dim"], metadata.kv_dtype)
+    kind = "fp8 e4m3, a scale per layer and KV head" if cache["dtype"] == "fp8" else cache["dtype"]
     return f"{kind}; {per_token:,} bytes a token"
 
 

@@ -33,6 +33,7 @@ def is_fp8(metadata: dict) -> bool:
     """Whether an artifact's metadata describes FP8 linear layers."""
     return (metadata.get("quantization") or {}).get("format") == FP8_FORMAT
 
+
 FORWARD_OTHERS = "forward_others"
 SAMPLE = "sample"
 SAMPLE_ARGMAX = "sample_argmax"

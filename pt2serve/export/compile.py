@@ -85,7 +85,7 @@ def _worker_model(
 def _job_model(job: CompileJob) -> Transformer:
     model = _worker_model(job.checkpoint, job.preset, job.dtype, job.device, job.attention, job.quantize, job.draft)
     if job.kv_scales is not None and not has_kv_scales(model):
-        install_kv_scales(model, list(job.kv_scales))
+        install_kv_scales(model, job.kv_scales)
     return model
 
 

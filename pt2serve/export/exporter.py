@@ -54,7 +54,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     kv_scales = None
     if options.kv_dtype == "fp8":
         kv_scales = tuple(calibrate_kv_scales(model))
-        install_kv_scales(model, list(kv_scales))
+        install_kv_scales(model, kv_scales)
     choices, tuning = LinearChoices({}), None
     if options.backend == "cuda" and options.tune_matmuls:
         choices, timings = tune(model, options.forward_sizes, show_progress)

@@ -19,6 +19,8 @@ Why one static scale per (layer, KV head), chosen at export:
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -30,7 +32,7 @@ CALIBRATION_TOKENS = 512
 HEADROOM = 2.0
 
 
-def install_kv_scales(model: nn.Module, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def install_kv_scales(model: nn.Module, scales: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Give each attention layer its (k_scale, v_scale) [KVH] fp32 buffers: its cells are e4m3 from now on."""
     device = model.norm.weight.device
     for layer, (k_scale, v_scale) in zip(model.layers, scales, strict=True):

@@ -24,9 +24,9 @@ from torch import nn
 
 from pt2serve.errors import Pt2ServeError
 from pt2serve.contract import FP8_FORMAT
-from pt2serve.model.fp8 import describe_fp8, fp8_names_from_weights, install_fp8_modules, quantize_model_fp8
 from pt2serve.kernels.quant_format import INT4_BLOCK_COLUMNS, SUPPORTED_BITS, dequantize, pack, values_per_byte
 from pt2serve.kernels.quant_linear import quant_linear
+from pt2serve.model.fp8 import describe_fp8, fp8_names_from_weights, install_fp8_modules, quantize_model_fp8
 
 SCHEMES = {"int8": 8, "int4": 4, "fp8": 8}  # fp8: model/fp8.py's e4m3 layers, activations quantized too
 DEFAULT_GROUP_SIZE = {8: None, 4: 128}  # None: one group per output row
