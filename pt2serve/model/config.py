@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,14 +17,52 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
+# The rope_scaling types implemented (transformers' names); "default" (or no rope_scaling) is plain rope.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 style frequency scaling (rope_scaling.rope_type == "llama3")."""
+    """How the rotary frequencies stretch past the pretraining context (config.json's rope_scaling).
+
+    Each type reads the fields its comment names; model.rope_inv_freq turns them into transformers' numbers.
+    """
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    # The pretraining context: llama3's and yarn's own field; dynamic's is config.json's max_position_embeddings.
+    original_max_position_embeddings: int | None = None
+    # Last and "llama3" unless told: artifacts and presets made when llama3 was the only type carry no type.
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0  # yarn: rotations over the pretraining context above which a frequency is kept
+    beta_slow: float = 1.0  # yarn: rotations below which it is divided by the factor (a ramp between)
+    truncate: bool = True  # yarn: the ramp starts and ends at whole dimensions
+    attention_factor: float = 1.0  # yarn: multiplies cos and sin, so q and k (resolved from mscale when parsed)
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES[1:]:
+            raise Pt2ServeError(
+                f"rope_scaling type {self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+            )
+        needs = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                 "yarn": ("original_max_position_embeddings",),
+                 "dynamic": ("original_max_position_embeddings",)}.get(self.rope_type, ())
+        missing = [name for name in needs if getattr(self, name) is None]
+        if missing:
+            raise Pt2ServeError(f"rope_scaling type {self.rope_type!r} needs {', '.join(missing)}")
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json rope_scaling that parses back to this one (and that transformers reads the same)."""
+        fields: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type == "llama3":
+            fields.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
+                          original_max_position_embeddings=self.original_max_position_embeddings)
+        if self.rope_type == "yarn":
+            fields.update(original_max_position_embeddings=self.original_max_position_embeddings,
+                          beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate,
+                          attention_factor=self.attention_factor)
+        return fields
 
 
 @dataclass(frozen=True)
@@ -130,20 +169,57 @@ def _rope_theta(hf: dict[str, Any]) -> float:
 
 
 def _rope_scaling(hf: dict[str, Any], source: str) -> RopeScaling | None:
+    # Older configs name the dict rope_scaling and its type "type"; newer ones rope_parameters and "rope_type".
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
-    if kind != "llama3":
-        raise Pt2ServeError(f"{source}: rope_scaling type {kind!r} is not supported (only 'llama3')")
+    if kind not in ROPE_TYPES:
+        raise Pt2ServeError(
+            f"{source}: rope_scaling type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    max_positions = int(hf.get("max_position_embeddings", 2048))
+    # As transformers: llama3 and yarn without their own pretraining context take max_position_embeddings.
+    original = int(scaling.get("original_max_position_embeddings") or max_positions)
+    if kind == "linear":
+        return RopeScaling(float(scaling["factor"]), rope_type=kind)
+    if kind == "dynamic":
+        return RopeScaling(float(scaling["factor"]), original_max_position_embeddings=max_positions, rope_type=kind)
+    if kind == "llama3":
+        return RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=original,
+        )
+    # yarn, as transformers: a null factor is the ratio of the two contexts; a null or 0 beta_fast is 32, beta_slow 1.
+    factor = float(scaling.get("factor") or max_positions / original)
     return RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        factor,
+        original_max_position_embeddings=original,
+        rope_type=kind,
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        truncate=bool(scaling.get("truncate", True)),
+        attention_factor=_yarn_attention_factor(scaling, factor),
     )
+
+
+def _yarn_attention_factor(scaling: dict[str, Any], factor: float) -> float:
+    """YaRN's cos/sin multiplier: the config's attention_factor, else the paper's 0.1 ln(factor) + 1 (DeepSeek's
+    mscale / mscale_all_dim ratio of two such terms where both are set), as transformers computes it."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _refuse_sliding_window(hf: dict[str, Any], architecture: str, source: str) -> None:

@@ -38,7 +38,15 @@ from torch import nn
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.attention import AttentionImpl, StepAttention
 from pt2serve.model.config import ModelConfig
-from pt2serve.model.model import DecoderLayer, RMSNorm, apply_rope, rope_inv_freq, stacked_projections
+from pt2serve.model.model import (
+    DecoderLayer,
+    RMSNorm,
+    apply_rope,
+    rope_attention_factor,
+    rope_cos_sin,
+    rope_inv_freq,
+    stacked_projections,
+)
 
 DRAFT_ATTRIBUTE = "draft"  # the draft's module name under the target: its weights are "draft.*" in the artifact
 
@@ -147,11 +155,10 @@ class DFlashDraft(nn.Module):
         self.register_buffer(
             "inv_freq", rope_inv_freq(layers.head_dim, layers.rope_theta, layers.rope_scaling), persistent=False
         )
+        self.rope_attention_factor = rope_attention_factor(layers.rope_scaling)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos(), angles.sin()
+        return rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor)
 
     def write_context(
         self,
@@ -376,7 +383,7 @@ def write_random_draft(
         "tie_word_embeddings": False,
     }
     if target.rope_scaling is not None:
-        hf["rope_scaling"] = {"rope_type": "llama3", **vars(target.rope_scaling)}
+        hf["rope_scaling"] = target.rope_scaling.to_hf()
     hf.update(overrides)
     (root / "config.json").write_text(json.dumps(hf, indent=1))
     hidden, heads, kv_heads = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]

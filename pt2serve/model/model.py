@@ -48,10 +48,32 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """[head_dim/2] inverse frequencies, with Llama 3 scaling applied when configured."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).double() / head_dim))
+    """[head_dim/2] inverse frequencies, stretched as `scaling` says (transformers' numbers for each type)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).double() / head_dim
+    inv_freq = 1.0 / theta**exponents
     if scaling is None:
         return inv_freq.float()
+    if scaling.rope_type == "linear":
+        # Positions divided by the factor: the same angles as the frequencies divided by it.
+        return (inv_freq / scaling.factor).float()
+    if scaling.rope_type == "dynamic":
+        # transformers raises the base with each forward's longest position (seq_len = max(position) + 1, at
+        # least max_position_embeddings), so a sequence's angles would depend on the batch it runs in and on
+        # how far it has got, while an artifact's frequencies are one constant of every compiled step. As
+        # vLLM's DynamicNTKScalingRotaryEmbedding does, the base is fixed at the longest context the scaling
+        # is for, max_position_embeddings * factor: transformers' numbers for a sequence of that length.
+        seq_len = scaling.original_max_position_embeddings * scaling.factor
+        stretch = scaling.factor * seq_len / scaling.original_max_position_embeddings - (scaling.factor - 1)
+        base = theta * stretch ** (head_dim / (head_dim - 2))
+        return (1.0 / base**exponents).float()
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3: wavelengths longer than the pretraining context / low_freq_factor divided by the factor, those
+    shorter than it / high_freq_factor kept, a smooth blend between."""
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -62,6 +84,41 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, smoothed, scaled).float()
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN: frequencies that turn more than beta_fast times over the pretraining context kept, those that turn
+    less than beta_slow times divided by the factor, a linear ramp over the dimensions between."""
+
+    def dimension(rotations: float) -> float:  # the (fractional) dimension whose wavelength fits `rotations` times
+        return head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta)
+        )
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: a ramp of no width would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return (inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)).float()
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor, 1 for every other type."""
+    return 1.0 if scaling is None else scaling.attention_factor
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] fp32 at each token's position (the frequencies twice, the halves rotate_half pairs)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    # Scaled here, where both rope paths (the kernel and _rope_and_store) read them: q and k each get the
+    # factor, so the attention logits get its square, as in transformers.
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -190,6 +247,7 @@ class Transformer(nn.Module):
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
+        self.rope_attention_factor = rope_attention_factor(cfg.rope_scaling)
         # Layers whose outputs a draft model reads (model/dflash.py); when set, forward also returns them.
         self.tap_layers: tuple[int, ...] = ()
 
@@ -209,9 +267,7 @@ class Transformer(nn.Module):
         attend = StepAttention(
             self.attention, cfg.num_heads, cfg.num_kv_heads, positions, token_seq, seq_indptr, seq_cells
         )
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor)
         x = self.embed_tokens(tokens)
         taps = {}
         for index, (layer, k_pool, v_pool) in enumerate(zip(self.layers, k_pools, v_pools)):
