@@ -226,7 +226,7 @@ def test_every_flag_set_that_validates_can_be_traced(model):
     options = ExportOptions(backend="cpu", output=Path("/tmp/unused.pt2"), preset="tiny", forward_sizes=(1,),
                             max_step_tokens=2, max_cells=TEST_MAX_CELLS, max_context=TEST_MAX_CONTEXT)
     options.validate()
-    options.validate_for_model(model.config.max_position_embeddings)
+    options.validate_for_model(model.config.context_length)
     try:
         trace_forward(model, MethodSpec(FORWARD_OTHERS), options.max_step_tokens, options.max_cells)
     except Exception as err:  # noqa: BLE001 - any failure here is the bug

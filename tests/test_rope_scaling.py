@@ -189,3 +189,15 @@ def test_a_dflash_draft_written_for_a_target_has_its_rope(tmp_path, case):
     for ours, expected in zip(draft.rope(positions),
                               rope_cos_sin(positions, inv_freq, rope_attention_factor(target.rope_scaling))):
         torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case,context", [
+    ("qwen2.5-yarn", 131072), ("qwen3-yarn", 131072), ("deepseek-yarn", 163840), ("llama-3.1", 131072),
+    ("linear-8x", 16384), ("dynamic-2x", 8192),
+])
+def test_the_context_an_export_defaults_to_is_the_scaled_one(case, context):
+    """As vLLM reads these configs: yarn's original length times its factor, linear's and dynamic's
+    max_position_embeddings times theirs, llama3's max_position_embeddings as written."""
+    rope, max_positions = FREQUENCY_CASES[case]
+    assert parse(rope, max_positions).context_length == context
+    assert parse(None, max_positions).context_length == max_positions

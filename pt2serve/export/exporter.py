@@ -50,7 +50,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
         checkpoint, options.preset, options.torch_dtype, options.device, options.attention_impl, options.quant_scheme
     )
     config, model, tokenizer = loaded.config, loaded.model, loaded.tokenizer
-    max_context = options.validate_for_model(config.max_position_embeddings)
+    max_context = options.validate_for_model(config.context_length)
     kv_scales = None
     if options.kv_dtype == "fp8":
         kv_scales = tuple(calibrate_kv_scales(model))

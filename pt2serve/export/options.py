@@ -171,14 +171,16 @@ class ExportOptions:
                 )
         self._check_output_writable()
 
-    def validate_for_model(self, max_position_embeddings: int) -> int:
-        """Checks that need the model's config; returns the max context to build for."""
-        max_context = self.max_context or max_position_embeddings
+    def validate_for_model(self, context_length: int) -> int:
+        """Checks that need the model's config (`context_length`: ModelConfig.context_length); returns the max
+        context to build for."""
+        max_context = self.max_context or context_length
         if max_context < 2:
             raise Pt2ServeError(f"--max-context must be at least 2, got {max_context}")
-        if max_context > max_position_embeddings:
+        if max_context > context_length:
             raise Pt2ServeError(
-                f"--max-context {max_context} exceeds the model's max_position_embeddings ({max_position_embeddings})"
+                f"--max-context {max_context} exceeds the model's context ({context_length}: max_position_embeddings, "
+                "stretched by its rope scaling)"
             )
         if self.max_cells < max_context + 1:
             raise Pt2ServeError(

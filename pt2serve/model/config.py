@@ -93,6 +93,20 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
 
+    @property
+    def context_length(self) -> int:
+        """The longest context the model is for: max_position_embeddings, stretched by linear and dynamic
+        scaling (whose configs keep the pretraining length there) and by yarn (its original length times the
+        factor), as vLLM reads them. llama3 configs already give the stretched length."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.rope_type == "llama3":
+            return self.max_position_embeddings
+        if scaling.rope_type == "yarn":
+            stretched = scaling.original_max_position_embeddings * scaling.factor
+        else:
+            stretched = self.max_position_embeddings * scaling.factor
+        return max(self.max_position_embeddings, int(stretched))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
