@@ -67,9 +67,9 @@ def export_command(
     ),
     max_context: Optional[int] = typer.Option(None, help="Longest sequence (default: the model's)."),
     graph_entries: int = typer.Option(
-        DEFAULT_GRAPH_ENTRIES, help="Context cells one static (graph-captured) step may list in total; steps that "
-        "see more run on forward_others. With the attention kernel this sizes an index buffer (8 bytes a cell), "
-        "not compute; with masked attention every static step pays for all of them."
+        DEFAULT_GRAPH_ENTRIES, help="Context cells one static DFlash draft call (--draft) may list in total; "
+        "drafts that list more run in narrower calls. The forwards take any context: their index grows with "
+        "each step."
     ),
     min_prefill_chunk: int = typer.Option(
         DEFAULT_MIN_PREFILL_CHUNK, help="Prefill is not cut into chunks shorter than this."

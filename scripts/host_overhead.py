@@ -1,7 +1,7 @@
 """Host-side cost of a step, without the device: packing a step's inputs, and the runner's own work.
 
-Usage: python scripts/host_overhead.py ARTIFACT.pt2   (any artifact: only its metadata, tokenizer and pool
-sizes are used). The runner rows replace the executor's step with an instant one that returns the
+Usage: python scripts/host_overhead.py [ARTIFACT.pt2]   (any artifact: only its metadata, tokenizer and pool
+sizes are used; without one, only the packing rows). The runner rows replace the executor's step with an instant one that returns the
 toy-greedy successor of each sampled chunk, so what is timed is scheduling, commit, detokenization, stop
 strings and event delivery; with the prefix cache on and off, for prompts that share nothing (what the
 cache costs when it cannot help), also with a pool so small that the cache evicts in every step.
@@ -42,9 +42,14 @@ def pack_rows() -> list[tuple[str, float]]:
     decodes = [(i, Chunk(np.arange(100 * i, 100 * i + 80), (5,), 79, GREEDY)) for i in range(64)]
     mixed = [(i, Chunk(np.arange(3000 * i, 3000 * i + 2000), tuple(range(8)), 1992, GREEDY)) for i in range(32)]
     mixed += [(32 + i, Chunk(np.arange(3000 * i + 2000, 3000 * i + 2900), (5,), 899, GREEDY)) for i in range(32)]
+    # 64 decodes at context 4,000 and 32,000 (each sequence's cells one run, as a fresh pool hands them out).
+    long = {context: [(i, Chunk(np.arange(context * i + 1, context * (i + 1) + 1), (5,), context - 1, GREEDY))
+                      for i in range(64)] for context in (4000, 32000)}
     return [
-        ("pack: 1 decode, forward_1", median_us(lambda: pack(decodes[:1], "forward_1", 1, 4096), 300)),
-        ("pack: 64 decodes, forward_64", median_us(lambda: pack(decodes, "forward_64", 64, 8192), 300)),
+        ("pack: 1 decode, forward_1", median_us(lambda: pack(decodes[:1], "forward_1", 1), 300)),
+        ("pack: 64 decodes, forward_64", median_us(lambda: pack(decodes, "forward_64", 64), 300)),
+        ("pack: 64 decodes at context 4,000, forward_64", median_us(lambda: pack(long[4000], "forward_64", 64), 30)),
+        ("pack: 64 decodes at context 32,000, forward_64", median_us(lambda: pack(long[32000], "forward_64", 64), 5)),
         ("pack: 32 decodes + 32 x 8-token chunks, forward_others",
          median_us(lambda: pack(mixed, "forward_others", None, None), 100)),
     ]
@@ -95,10 +100,12 @@ def runner_row(path: str, num_requests: int, new_tokens: int, prefix_cache: bool
 
 
 def main() -> None:
-    path = sys.argv[1]
-    rows = pack_rows() + [runner_row(path, 64, 200, cache) for cache in (False, True)]
-    # 64 x (8 + 40) tokens take 3,072 of 4,097 cells: a repeat after the first runs dry after a few steps.
-    rows += [runner_row(path, 64, 40, cache, num_cells=4097) for cache in (False, True)]
+    rows = pack_rows()
+    if len(sys.argv) > 1:
+        path = sys.argv[1]
+        rows += [runner_row(path, 64, 200, cache) for cache in (False, True)]
+        # 64 x (8 + 40) tokens take 3,072 of 4,097 cells: a repeat after the first runs dry after a few steps.
+        rows += [runner_row(path, 64, 40, cache, num_cells=4097) for cache in (False, True)]
     width = max(len(name) for name, _ in rows)
     print(f"{'what':<{width}}  us/step")
     for name, us in rows:

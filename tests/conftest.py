@@ -36,10 +36,8 @@ TEST_MAX_CONTEXT = 256
 TEST_MAX_STEP_TOKENS = 128
 TEST_MAX_CELLS = 4096
 # toy-recall's export: CPU steps run forward_others, so it has two static widths only (for the tests that
-# force static methods), and an entry capacity just above one sequence's context, so a step with padding
-# can fill a static width's capacity exactly (as the 8B's widest methods reach --graph-entries).
+# force static methods).
 RECALL_FORWARD_SIZES = (4, 32)
-RECALL_GRAPH_ENTRIES = TEST_MAX_CONTEXT + 1
 DESIGNED_PRESETS = ("toy-greedy", "toy-recall")
 
 
@@ -57,8 +55,7 @@ def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
 
 
 def recall_export_options(output: Path) -> ExportOptions:
-    return dataclasses.replace(export_options_for_tests("toy-recall", output), forward_sizes=RECALL_FORWARD_SIZES,
-                               graph_entries=RECALL_GRAPH_ENTRIES)
+    return dataclasses.replace(export_options_for_tests("toy-recall", output), forward_sizes=RECALL_FORWARD_SIZES)
 
 
 def stop_at_token(deltas: list[str], first: int = 5) -> tuple[int, str, str]:
@@ -271,8 +268,7 @@ def packed_random_step(artifact, method: str, width: int | None, lengths: tuple[
         cells = np.arange(next_cell, next_cell + length, dtype=np.int64)
         next_cell += length
         chunks.append(Chunk(cells, tuple(int(t) for t in rng.integers(0, 256, length)), 0, SamplingParams()))
-    entries = artifact.metadata.entries_of(width) if width else None
-    return pack(list(enumerate(chunks)), method, width, entries).device_inputs("cpu")
+    return pack(list(enumerate(chunks)), method, width).device_inputs("cpu")
 
 
 def random_prompts(count: int, seed: int = 0, max_length: int = 90) -> list[list[int]]:

@@ -22,7 +22,7 @@ from pt2serve.bench.options import parse_tokens, resolve_tokens
 from pt2serve.bench.peer import EagerPeer
 from pt2serve.bench.request_timing import RequestTiming, summarise
 from pt2serve.bench.roofline import MachineLimits, ModelCost, step_cost
-from pt2serve.bench.sweep import RowPlan, _analyse, plan_row
+from pt2serve.bench.sweep import RowPlan, _analyse, plan_row, row_keys
 from pt2serve.bench.timing import StepShape, StepTiming
 from pt2serve.bench.workload import arrival_times
 from pt2serve.cli import app
@@ -215,6 +215,7 @@ def test_row_numbers_are_the_hand_computed_ones():
     # Bytes: 1000 of weights (one call) + 40 cells x 16 = 1640 -> 1.64 ms at 1 MB/s.
     # FLOPs: 2 x 90 body params x 4 tokens + 2 x 10 head params x 4 rows + 8 x 40 pairs = 1120 -> 11.2 ms.
     assert (row.bytes, row.flops) == (1640, 1120)
+    assert (row.kv_bytes, row.attention_flops) == (640, 320)  # 40 cells x 16; 8 x 40 pairs
     assert row.memory_seconds == pytest.approx(0.00164) and row.compute_seconds == pytest.approx(0.0112)
     assert row.limit_seconds == pytest.approx(0.0112) and row.bound == "compute"
     assert row.limit_tokens_per_second == pytest.approx(357.143, rel=1e-5)  # 4 / 11.2 ms
@@ -398,6 +399,7 @@ def test_arrivals_and_summary():
     assert s["tpot_seconds"]["count"] == 1 and s["tpot_seconds"]["p50"] == pytest.approx(0.1)  # 0.4 s / 4 gaps
     assert s["e2e_seconds"]["p50"] == pytest.approx(0.65)  # 0.5 and 0.8
     assert s["output_tokens_per_second"] == pytest.approx(6.0)  # 6 tokens from 0.0 to 1.0 s
+    assert s["prompt_tokens_per_second"] == pytest.approx(8.0)  # two completed 4-token prompts in 1.0 s
 
 
 # -- the URL client -----------------------------------------------------------------------------------------
@@ -523,16 +525,21 @@ def test_step_shape():
 
 def test_row_plans(tiny_artifact):
     raw = read_metadata(tiny_artifact).raw
-    decode = plan_row(64, SweepOptions(), raw, 4096)
+    decode = plan_row(64, 8, SweepOptions(), raw, 4096)
     assert (decode.kind, decode.num_decode, decode.backlog_requests) == ("decode", 64, 0)
     assert 64 * (decode.prompt_tokens + decode.max_new_tokens) <= 4096
-    mixed = plan_row(128, SweepOptions(decode_cap=16, prefill_chunk=50), raw, 4096)
+    mixed = plan_row(128, 8, SweepOptions(decode_cap=16, prefill_chunk=50), raw, 4096)
     assert (mixed.kind, mixed.num_decode, mixed.backlog_prompt_tokens) == ("mixed", 16, 50)
     assert mixed.backlog_requests * 50 >= 2 * (128 - 16)
     with pytest.raises(Pt2ServeError, match="KV pool"):
-        plan_row(64, SweepOptions(), raw, 200)
+        plan_row(64, 8, SweepOptions(), raw, 200)
     with pytest.raises(Pt2ServeError, match="max context"):
-        plan_row(4, SweepOptions(prompt_tokens=250), raw, 4096)
+        plan_row(4, 250, SweepOptions(), raw, 4096)
+    long = plan_row(4, 200, SweepOptions(), raw, 4096)
+    assert (long.prompt_tokens, long.num_decode) == (200, 4)
+    assert row_keys(SweepOptions(tokens=(1, 4), contexts=(8, 200)), 128) == [(1, 8), (4, 8), (1, 200), (4, 200)]
+    with pytest.raises(Pt2ServeError, match="--context must be positive"):
+        SweepOptions(contexts=(8, 0)).check()
     assert resolve_tokens(None, 128) == (1, 2, 4, 8, 16, 32, 64, 128)
     assert resolve_tokens(None, 100) == (1, 2, 4, 8, 16, 32, 64)
     assert parse_tokens(" 4, 1 ,8") == (4, 1, 8)

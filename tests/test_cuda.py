@@ -9,6 +9,8 @@ scripts/device/cuda_tests.sh (`pytest -m cuda tests/test_cuda.py`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -16,16 +18,17 @@ import torch
 from conftest import TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS, exported
 from pt2serve.errors import Pt2ServeError
 from pt2serve.export.options import ExportOptions
-from pt2serve.model.presets import toy_greedy_continuation, toy_successor
+from pt2serve.model.presets import build_preset_model, toy_greedy_continuation, toy_successor
 from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.cells import allocate_kv_pools, cells_that_fit
 from pt2serve.runtime.engine import describe_load, open_runner
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.graphs import capture_all
 from pt2serve.runtime.runner import RunnerConfig
-from pt2serve.runtime.step import pack
+from pt2serve.runtime.step import pack, with_entries
 from test_artifact import with_metadata
 from test_export import random_chunks, split_width
+from test_fp8_checkpoint import hf_tensors, write_checkpoint
 
 pytestmark = pytest.mark.cuda
 
@@ -68,7 +71,10 @@ def test_graph_replay_equals_the_method_on_every_static_width(artifact):
                                                   cache["head_dim"], meta.kv_dtype, device)
     storage.normal_(generator=torch.Generator(device).manual_seed(0))
     pools = [*k_pools, *v_pools]
-    idle = {f"forward_{n}": pack([], f"forward_{n}", n, meta.entries_of(n)) for n in meta.forward_sizes}
+    # Each buffer holds every entry its width can meet; the steps below fill only their front.
+    idle = {f"forward_{n}": (pack([], f"forward_{n}", n), with_entries(pack([], f"forward_{n}", n).sizes,
+                                                                      n * meta.max_context))
+            for n in meta.forward_sizes}
     captured, _ = capture_all(artifact.run, idle, pools, device, use_graph=True)
     rng = np.random.default_rng(0)
     for width in meta.forward_sizes:
@@ -77,7 +83,7 @@ def test_graph_replay_equals_the_method_on_every_static_width(artifact):
         previous = None
         for fill in (width, width // 2 + 1):  # a full step, then one with padding
             chunks = random_chunks(rng, split_width(rng, fill, 3), POOL_CELLS, meta.vocab_size, sample_every=1)
-            call = pack(list(enumerate(chunks)), method, width, meta.entries_of(width))
+            call = pack(list(enumerate(chunks)), method, width)
             before = storage.clone()
             captured[method].load(call.host)
             replayed = captured[method].run().clone()
@@ -174,3 +180,62 @@ def test_speculation_through_captured_graphs_gives_the_designed_tokens(cuda_arti
         assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
     finally:
         runner.close()
+
+
+LONG_CONTEXT = 16384
+LONG_SIZES = (1, 8)
+
+
+@pytest.fixture(scope="module")
+def long_artifact(tmp_path_factory):
+    """tiny's random weights behind a config of 2 x LONG_CONTEXT positions, exported for CUDA at that whole
+    context in fp32, with static widths 1 and 8."""
+    root = tmp_path_factory.mktemp("long-checkpoint") / "tiny-long"
+    model = build_preset_model("tiny", torch.float32)
+    write_checkpoint(root, dataclasses.replace(model.config, max_position_embeddings=2 * LONG_CONTEXT),
+                     hf_tensors(model), None)
+
+    def options(path):
+        return ExportOptions(backend="cuda", output=path, checkpoint=root, dtype="fp32", forward_sizes=LONG_SIZES,
+                             max_step_tokens=2048, max_cells=MAX_CELLS)
+
+    return exported("tiny-long-cuda", options, tmp_path_factory)
+
+
+def long_runs(path, prompts: list[list[int]], num_tokens: int, num_cells: int) -> list[tuple[list[int], set]]:
+    """Each prompt's greedy tokens, all submitted together, and the methods the decode steps ran, with graphs
+    and then with the same static methods run without them (the same kernels: the same tokens, exactly)."""
+    runs = []
+    for graphs in (True, False):
+        config = ExecutorConfig(num_cells=num_cells, use_cuda_graphs=graphs, use_static_methods=True)
+        runner = open_runner(path, executor_config=config, runner_config=RunnerConfig(token_budget=2048))
+        try:
+            assert runner.executor.uses_cuda_graphs is graphs
+            handles = [runner.submit(p, max_new_tokens=num_tokens, ignore_eos=True) for p in prompts]
+            tokens = [list(h.result(timeout=300).token_ids) for h in handles]
+            decodes = {call.method for step in runner.step_history if step.num_decode == step.num_tokens
+                       for call in step.calls}
+            runs.append((tokens, decodes))
+        finally:
+            runner.close()
+    return runs
+
+
+def test_decodes_at_context_16k_replay_their_widths_graph(long_artifact):
+    """Eight sequences at context 16k decode on forward_8's graph (8 x 16k entries: far past any fixed index),
+    with the tokens the same methods give without graphs."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, LONG_CONTEXT - int(rng.integers(0, 64))).tolist() for _ in range(8)]
+    (graphed, graphed_methods), (plain, plain_methods) = long_runs(long_artifact, prompts, 12, 8 * LONG_CONTEXT + 1024)
+    assert graphed == plain
+    assert "forward_8" in graphed_methods and "forward_others" not in graphed_methods, graphed_methods
+
+
+def test_a_sequence_at_the_max_context_decodes_through_a_graph(long_artifact):
+    """A prompt two tokens short of the artifact's max context: its decode (at position max context - 2, whose
+    token is the last the context holds) runs on forward_1's graph and gives the method's token without one."""
+    max_context = read_metadata(long_artifact).max_context
+    prompt = np.random.default_rng(4).integers(0, 256, max_context - 2).tolist()
+    (graphed, graphed_methods), (plain, _) = long_runs(long_artifact, [prompt], 2, max_context + 1)
+    assert graphed == plain and len(graphed[0]) == 2
+    assert graphed_methods == {"forward_1"}

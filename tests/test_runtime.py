@@ -22,7 +22,7 @@ from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.cells import CellAllocator, CellTable
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.sampling import DrawPurpose, RequestRandom, SamplingParams
-from pt2serve.runtime.step import Chunk, pack, regions
+from pt2serve.runtime.step import FORWARD_LAYOUT, Chunk, pack, region_offsets
 
 VOCAB = 258
 GREEDY = SamplingParams()
@@ -214,22 +214,20 @@ def test_the_width_schedule_reaches_every_method(toy_artifact):
     assert seen == {m for m in meta.method_names if m.startswith("forward")}
 
 
-def test_a_padded_step_that_fills_a_static_widths_entries_runs_on_that_width(recall_artifact):
+def test_a_static_width_runs_a_step_of_any_context(recall_artifact):
     """At every static width of the toy-recall artifact, a step of one token fewer than the width whose context
-    entries, with the padding token's one, fill the width's entry capacity exactly runs on that width; one
-    entry more runs forward_others. Both sample toy-recall's tokens (read from the cells 6 positions back, so
-    any real entry lost to the padding shows) and write no cell but their own tokens' and the scratch cell."""
+    is a whole max-context sequence (more entries than a width-times-context-free capacity would hold) and a
+    one-token prompt runs on that width, never forward_others; it samples toy-recall's tokens (read from the
+    cells 6 positions back, so any real entry lost shows) and writes no cell but its own tokens' and the
+    scratch cell."""
     executor = Executor(load_artifact(recall_artifact), ExecutorConfig(num_cells=1024, use_static_methods=True))
     meta, allocator = executor.artifact.metadata, executor.allocator
     assert meta.forward_sizes == RECALL_FORWARD_SIZES
+    assert all(meta.entries_of(width) is None for width in meta.forward_sizes)  # the index takes any length
     rng = random.Random(9)
     for width in meta.forward_sizes:
-        capacity = meta.entries_of(width)
-        for extra, method in ((0, forward_name(width)), (1, FORWARD_OTHERS)):
-            # A chunk of width - 2 tokens ending a long context, and a one-token prompt: width - 1 tokens whose
-            # contexts hold capacity - 1 + extra entries, the padding token's entry making capacity + extra.
-            long_end = capacity - 2 + extra
-            assert long_end <= TEST_MAX_CONTEXT
+        for long_end in (width, TEST_MAX_CONTEXT - 1):
+            # A chunk of width - 2 tokens ending a long context, and a one-token prompt: width - 1 tokens.
             long_tokens = [rng.randrange(VOCAB) for _ in range(long_end)]
             short_tokens = [rng.randrange(VOCAB)]
             long_cells, short_cells = allocator.allocate(long_end), allocator.allocate(1)
@@ -239,7 +237,7 @@ def test_a_padded_step_that_fills_a_static_widths_entries_runs_on_that_width(rec
             chunks = [Chunk(long_cells, tuple(long_tokens[start:]), start, GREEDY),
                       Chunk(short_cells, tuple(short_tokens), 0, GREEDY)]
             result = executor.step(chunks)
-            assert [(c.method, c.num_tokens) for c in result.calls] == [(method, width - 1)], (width, extra)
+            assert [(c.method, c.num_tokens) for c in result.calls] == [(forward_name(width), width - 1)], width
             assert result.tokens == (toy_recall_continuation(long_tokens, 1)[0],
                                      toy_recall_continuation(short_tokens, 1)[0])
             written = torch.tensor([SCRATCH_CELL, *long_cells[start:], *short_cells])
@@ -249,10 +247,15 @@ def test_a_padded_step_that_fills_a_static_widths_entries_runs_on_that_width(rec
             allocator.free(short_cells)
 
 
-@pytest.mark.parametrize("method,width,entries", [("forward_8", 8, 64), ("forward_64", 64, 512), (FORWARD_OTHERS, None, None)])
+@pytest.mark.parametrize("method,width,entries", [
+    ("forward_8", 8, None), ("forward_64", 64, None), (FORWARD_OTHERS, None, None),
+    ("forward_8", 8, 64), ("forward_64", 64, 512),  # artifacts exported with a fixed index length
+])
 def test_pack_lays_out_each_chunk(method, width, entries):
     """pack's whole-array layout against a chunk-by-chunk reference, padding included; and the contract
-    the compiled attention relies on: seq_cells[seq_indptr[token_seq[t]] + positions[t]] == write_cells[t]."""
+    the compiled attention relies on: seq_cells[seq_indptr[token_seq[t]] + positions[t]] == write_cells[t].
+    The index holds the step's own entries (a fixed length only where the artifact fixed one), and it is the
+    packed array's last region, so a graph buffer takes a step by copying its front."""
     rng = np.random.default_rng(5)
     for _ in range(30):
         piece, left, next_cell = [], width or 40, 1
@@ -266,7 +269,13 @@ def test_pack_lays_out_each_chunk(method, width, entries):
             if width is not None and rng.random() < 0.3:
                 break  # leave padding
         call = pack(piece, method, width, entries)
-        tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = regions(call.host, call.sizes)
+        tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = call.regions()
+        real_entries = sum(chunk.end for _, chunk in piece)
+        padded = width is not None and sum(len(chunk.tokens) for _, chunk in piece) < width
+        expected = entries or (real_entries + 1 if width is None else max(2, real_entries + padded))
+        assert len(seq_cells) == call.num_entries == expected
+        offsets, _ = region_offsets(call.sizes, FORWARD_LAYOUT)
+        assert offsets[5] == max(offsets)  # seq_cells is stored last
         at, entry, sampled_rows = 0, 0, []
         for row, (_, chunk) in enumerate(piece):
             span = slice(at, at + len(chunk.tokens))

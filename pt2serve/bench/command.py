@@ -71,9 +71,10 @@ def bench_command(
     prefill_chunk: Optional[int] = typer.Option(
         None, help="sweep: backlog prompt length in those rows (default: min(256, max_context - 1))."
     ),
-    context: Optional[int] = typer.Option(
-        None, help="sweep: the context the decoding requests decode at, their prompt length (default 8); "
-        "e.g. 4096 measures long-context decode, the KV read counted in the limit."
+    context: Optional[str] = typer.Option(
+        None, help="sweep: the contexts the decoding requests decode at, their prompt length, comma-separated "
+        "(default 8); e.g. 4000,16000,32000 measures long-context decode, every T at each, the KV read counted "
+        "in the limit."
     ),
     prompt_tokens: Optional[int] = typer.Option(
         None, help="requests and quality: prompt length (default 128); chat: each user message's length."
@@ -139,7 +140,15 @@ def _run(
     flags = {("json" if name == "json_path" else name): value for name, value in locals().items()}
     from rich.console import Console
 
-    from pt2serve.bench.options import MODES, LatencyTargets, RequestsOptions, SweepOptions, parse_rates, parse_tokens
+    from pt2serve.bench.options import (
+        MODES,
+        LatencyTargets,
+        RequestsOptions,
+        SweepOptions,
+        parse_contexts,
+        parse_rates,
+        parse_tokens,
+    )
     from pt2serve.bench.progress import StatusLine
     from pt2serve.runtime.artifact import read_metadata
     from pt2serve.runtime.executor import ExecutorConfig
@@ -203,7 +212,7 @@ def _run(
         options = SweepOptions(
             tokens=parse_tokens(tokens) if tokens is not None else None, warmup=warmup, iters=iters,
             decode_cap=decode_cap, prefill_chunk=prefill_chunk,
-            prompt_tokens=context if context is not None else SweepOptions.prompt_tokens,
+            contexts=parse_contexts(context) if context is not None else SweepOptions.contexts,
             seed=seed, row_timeout=timeout, eager_peer=eager_peer,
         )
         with StatusLine() as status:

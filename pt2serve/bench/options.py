@@ -30,7 +30,9 @@ class SweepOptions:
     iters: int = 10  # steady steps measured (the median is reported)
     decode_cap: int = 32  # decoding sequences in rows wider than the widest static forward size
     prefill_chunk: int | None = None  # backlog prompt length in wide rows; None: min(256, max_context - 1)
-    prompt_tokens: int = 8  # prompt length of the decoding requests: the context decode rows run at (--context)
+    # Prompt lengths of the decoding requests, the contexts decode rows run at (--context): every T is measured
+    # at each, so one run gives decode at 512, 4,000 and 32,000 side by side.
+    contexts: tuple[int, ...] = (8,)
     seed: int = 0
     row_timeout: float = 600.0  # seconds one row may take before it is stopped and flagged
     eager_peer: bool = True  # also time each row's middle step through the uncompiled model
@@ -47,8 +49,8 @@ class SweepOptions:
             raise Pt2ServeError(f"--decode-cap must be at least 1, got {self.decode_cap}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise Pt2ServeError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
-        if self.prompt_tokens < 1:
-            raise Pt2ServeError(f"--context must be at least 1, got {self.prompt_tokens}")
+        if not self.contexts or any(not isinstance(c, int) or c < 1 for c in self.contexts):
+            raise Pt2ServeError(f"--context must be positive integers, got {list(self.contexts)}")
         if self.row_timeout <= 0:
             raise Pt2ServeError(f"--timeout must be positive, got {self.row_timeout}")
 
@@ -113,6 +115,11 @@ class RequestsOptions:
 def parse_tokens(text: str) -> tuple[int, ...]:
     """'1,2,4' -> (1, 2, 4); anything but positive integers is an error."""
     return _parse_list(text, "--tokens", int, "integers", "1,2,4,8")
+
+
+def parse_contexts(text: str) -> tuple[int, ...]:
+    """'4000,16000' -> (4000, 16000); anything but positive integers is an error."""
+    return _parse_list(text, "--context", int, "integers", "512,4000,16000")
 
 
 def parse_rates(text: str) -> tuple[float, ...]:

@@ -38,16 +38,20 @@ def sweep_table(result: SweepResult, title: str | None = None) -> Table:
     limits = result.limits
     caption = (f"limit on {limits.device}: memory {limits.memory_bandwidth / 1e9:.1f} GB/s, "
                f"matmul ({limits.dtype}) {limits.matmul_flops / 1e12:.3g} TFLOP/s; "
-               "% of limit = limit / step interval; eager: the same step in uncompiled PyTorch")
+               "% of limit = limit / step interval; KV / attn: the limit's KV-cell and attention terms alone; "
+               "eager: the same step in uncompiled PyTorch")
     table = Table(title=title or "pt2serve bench: sweep", caption=caption)
-    for name in ("T", "workload", "method", "exec ms", "step ms", "tok/s", "limit ms", "bound", "limit tok/s",
-                 "% of limit", "eager ms", "x eager", "flags"):
+    for name in ("T", "context", "workload", "method", "exec ms", "step ms", "tok/s", "limit ms", "bound",
+                 "KV ms", "attn ms", "limit tok/s", "% of limit", "eager ms", "x eager", "flags"):
         table.add_column(name, justify="left" if name in ("workload", "method", "bound", "flags") else "right")
     for row in result.rows:
         percent = "-" if row.fraction_of_limit is None else f"{row.fraction_of_limit * 100:.1f}%"
+        kv = None if row.kv_bytes is None else row.kv_bytes / limits.memory_bandwidth
+        attention = None if row.attention_flops is None else row.attention_flops / limits.matmul_flops
         table.add_row(
-            str(row.tokens), _workload(row), ",".join(row.methods) or "-", _ms(row.executor_seconds),
+            str(row.tokens), str(row.context), _workload(row), ",".join(row.methods) or "-", _ms(row.executor_seconds),
             _ms(row.interval_seconds), _num(row.tokens_per_second), _ms(row.limit_seconds), row.bound or "-",
+            _ms(kv), _ms(attention),
             _num(row.limit_tokens_per_second), percent, _ms(row.eager_seconds),
             "-" if row.speedup_over_eager is None else f"{row.speedup_over_eager:.2g}x",
             "; ".join(row.flags) if row.flags else "ok",
@@ -60,7 +64,8 @@ def requests_table(result: RequestsResult, title: str | None = None) -> Table:
     s = result.summary
     caption = (f"{s['completed']}/{s['requests']} completed, {s['output_tokens']} output tokens in "
                f"{_num(s['duration_seconds'])} s: {_num(s['output_tokens_per_second'])} output tok/s, "
-               f"{_num(s['requests_per_second'])} req/s ({result.target}); {_prompt_tokens(s)}; "
+               f"{_num(s['requests_per_second'])} req/s, {_num(s['prompt_tokens_per_second'])} computed prompt "
+               f"tok/s ({result.target}); {_prompt_tokens(s)}; "
                f"{_goodput(s)}{_steps(result)}{_speculation(result)}")
     table = Table(title=title or "pt2serve bench: requests", caption=caption)
     for name in ("metric", "p50 ms", "p90 ms", "p99 ms", "mean ms", "max ms", "n"):
@@ -247,18 +252,25 @@ def plot_sweep(result: SweepResult, path: Path, title: str) -> None:
     plt = _pyplot()
     rows = [r for r in result.rows if r.tokens_per_second is not None]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    ts = [r.tokens for r in rows]
-    ax.plot(ts, [r.tokens_per_second for r in rows], "o-", label="measured (T / step interval)")
-    ax.plot(ts, [r.executor_tokens_per_second for r in rows], ".--", alpha=0.6, label="executor only (T / executor time)")
-    ax.plot(ts, [r.limit_tokens_per_second for r in rows], "s:", color="black", label="physical limit (T / limit)")
-    eager = [r for r in rows if r.eager_seconds is not None]
-    if eager:
-        ax.plot([r.tokens for r in eager], [r.tokens / r.eager_seconds for r in eager], "^-.", color="tab:gray",
-                label="eager PyTorch peer (T / eager time)")
+    contexts = sorted({r.context for r in rows})
+    for context in contexts:  # one set of lines per context (one context: the labels as they always read)
+        at = [r for r in rows if r.context == context]
+        suffix = f", context {context:,}" if len(contexts) > 1 else ""
+        ts = [r.tokens for r in at]
+        measured, = ax.plot(ts, [r.tokens_per_second for r in at], "o-", label=f"measured (T / step interval){suffix}")
+        ax.plot(ts, [r.executor_tokens_per_second for r in at], ".--", alpha=0.6, color=measured.get_color(),
+                label=f"executor only (T / executor time){suffix}")
+        ax.plot(ts, [r.limit_tokens_per_second for r in at], "s:", color="black" if len(contexts) == 1
+                else measured.get_color(), label=f"physical limit (T / limit){suffix}")
+        eager = [r for r in at if r.eager_seconds is not None]
+        if eager:
+            ax.plot([r.tokens for r in eager], [r.tokens / r.eager_seconds for r in eager], "^-.", color="tab:gray",
+                    label=f"eager PyTorch peer (T / eager time){suffix}")
     flagged = [r for r in rows if r.flags]
     if flagged:
         ax.plot([r.tokens for r in flagged], [r.tokens_per_second for r in flagged], "x", color="red",
                 markersize=10, label="flagged row")
+    ts = sorted({r.tokens for r in rows})
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(ts, [str(t) for t in ts])

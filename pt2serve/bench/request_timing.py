@@ -116,6 +116,8 @@ def summarise(requests: list[RequestTiming], targets: LatencyTargets = LatencyTa
         "prompt_tokens_computed": None if cached is None else prompt_tokens - cached,
         "duration_seconds": duration,
         "output_tokens_per_second": tokens / duration if duration else None,
+        # The prompt tokens computed (not reused) per second: with one output token each, the prefill rate.
+        "prompt_tokens_per_second": (prompt_tokens - (cached or 0)) / duration if duration else None,
         "requests_per_second": len(done) / duration if duration else None,
         "goodput": {
             "ttft_target_ms": targets.ttft_ms,

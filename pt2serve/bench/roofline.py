@@ -194,6 +194,8 @@ class StepCost:
     flops: float
     memory_seconds: float
     compute_seconds: float
+    kv_bytes: float = 0.0  # of `bytes`: the KV cells read and written (the rest: weights)
+    attention_flops: float = 0.0  # of `flops`: attention's (the rest: matmuls)
 
     @property
     def limit_seconds(self) -> float:
@@ -205,9 +207,10 @@ class StepCost:
 
 
 def step_cost(shape: StepShape, num_calls: int, model: ModelCost, limits: MachineLimits) -> StepCost:
-    moved = (model.weight_bytes_per_call * max(1, num_calls)
-             + model.kv_bytes_per_cell * shape.context_cells)
+    kv_bytes = model.kv_bytes_per_cell * shape.context_cells
+    moved = model.weight_bytes_per_call * max(1, num_calls) + kv_bytes
     body = model.matmul_params - model.head_params
-    flops = (2 * body * shape.width + 2 * model.head_params * shape.num_sampled
-             + model.attention_flops_per_pair * shape.attention_pairs)
-    return StepCost(moved, flops, moved / limits.memory_bandwidth, flops / limits.matmul_flops)
+    attention_flops = model.attention_flops_per_pair * shape.attention_pairs
+    flops = 2 * body * shape.width + 2 * model.head_params * shape.num_sampled + attention_flops
+    return StepCost(moved, flops, moved / limits.memory_bandwidth, flops / limits.matmul_flops, kv_bytes,
+                    attention_flops)

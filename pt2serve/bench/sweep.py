@@ -3,7 +3,8 @@
 For each T the runner gets token_budget = T and a workload that makes every steady step exactly T wide:
   - T <= the widest static forward size ("decode" rows): T requests with prompts of `context` tokens
     (short by default; long ones measure long-context decode), decoding together once their prefill is done
-    (ignore_eos, max_new_tokens as large as the pool allows);
+    (ignore_eos, max_new_tokens as large as the pool allows); every T is measured at each of the contexts
+    asked for, the contexts outermost;
   - wider ("mixed" rows): `decode_cap` decoding requests plus a backlog of prompts (`prefill_chunk`
     tokens each, one output token) kept topped up, filling the rest of every step.
 Each row's runner cuts prefill at any size (min_prefill_chunk = 1) so the backlog fills steps exactly.
@@ -62,11 +63,12 @@ class RowPlan:
     backlog_requests: int  # mixed rows: backlog prompts kept in flight
 
 
-def plan_row(tokens: int, options: SweepOptions, meta_raw: dict[str, Any], capacity: int) -> RowPlan:
-    """The workload for one row; raises Pt2ServeError when this artifact and pool cannot hold it."""
+def plan_row(tokens: int, context: int, options: SweepOptions, meta_raw: dict[str, Any], capacity: int) -> RowPlan:
+    """The workload for one row (decoders at `context`); raises Pt2ServeError when this artifact and pool cannot
+    hold it."""
     widest = max(meta_raw["forward_sizes"])
     max_context = meta_raw["max_context"]
-    prompt = options.prompt_tokens
+    prompt = context
     needed = options.warmup + options.iters + 2
     if prompt + needed > max_context:
         raise Pt2ServeError(
@@ -106,6 +108,7 @@ class SweepRow:
     kind: str
     num_decode: int
     backlog_prompt_tokens: int
+    context: int  # the decoding requests' prompt length
     steps_recorded: int = 0
     steady_from: int | None = None  # index of the first step with all decoders decoding
     measured_steps: int = 0
@@ -119,6 +122,8 @@ class SweepRow:
     executor_tokens_per_second: float | None = None  # T / executor_seconds
     bytes: float | None = None  # median bytes a step must move
     flops: float | None = None  # median FLOPs of a step
+    kv_bytes: float | None = None  # of `bytes`: the KV cells read and written
+    attention_flops: float | None = None  # of `flops`: attention's
     memory_seconds: float | None = None  # bytes / measured bandwidth
     compute_seconds: float | None = None  # FLOPs / measured matrix throughput
     limit_seconds: float | None = None  # max of the two (median over the measured steps)
@@ -228,8 +233,8 @@ def run_sweep(
 
     options.check()
     meta = read_metadata(path)
-    for tokens in resolve_tokens(options.tokens, meta.max_step_tokens):  # bad flags fail before loading
-        plan_row(tokens, options, meta.raw, capacity=1 << 62)  # (the pool is checked once it exists)
+    for tokens, context in row_keys(options, meta.max_step_tokens):  # bad flags fail before loading
+        plan_row(tokens, context, options, meta.raw, capacity=1 << 62)  # (the pool is checked once it exists)
     _say(progress, f"loading {path}")
     artifact = load_artifact(path, device=device)
     executor = Executor(artifact, executor_config)
@@ -248,7 +253,7 @@ def sweep_executor(
     capacity = executor.allocator.capacity
     if executor.allocator.num_used:
         raise Pt2ServeError("the executor's KV pool is in use; sweep an idle executor")
-    plans = [plan_row(t, options, raw, capacity) for t in resolve_tokens(options.tokens, raw["max_step_tokens"])]
+    plans = [plan_row(t, c, options, raw, capacity) for t, c in row_keys(options, raw["max_step_tokens"])]
     _say(progress, f"measuring memory bandwidth and matrix throughput on {executor.device}")
     limits = measure_limits(executor.device, raw["dtype"], fp8_matmuls=is_fp8(raw))
     cost = ModelCost.from_metadata(raw)
@@ -256,7 +261,7 @@ def sweep_executor(
     peer = EagerPeer(executor) if options.eager_peer else None
     rows = []
     for index, plan in enumerate(plans):
-        label = f"sweep {index + 1}/{len(plans)}: T={plan.tokens} ({plan.kind})"
+        label = f"sweep {index + 1}/{len(plans)}: T={plan.tokens} ({plan.kind}, context {plan.prompt_tokens})"
         row_started = time.perf_counter()
         timed, history, flags = _run_row(executor, tokenizer, plan, options, rng, label, progress)
         row = _analyse(plan, timed.timings(), history, flags, options, cost, limits)
@@ -270,6 +275,11 @@ def sweep_executor(
         rows.append(row)
     return SweepResult(rows, limits, cost, options, str(executor.device), executor.allocator.num_cells,
                        time.perf_counter() - started)
+
+
+def row_keys(options: SweepOptions, max_step_tokens: int) -> list[tuple[int, int]]:
+    """(T, context) of every row, in order: each context's widths together."""
+    return [(t, c) for c in options.contexts for t in resolve_tokens(options.tokens, max_step_tokens)]
 
 
 def _say(progress: Progress | None, text: str) -> None:
@@ -332,7 +342,8 @@ def _analyse(
     plan: RowPlan, timings: list[StepTiming], history: list[StepRecord], flags: list[str],
     options: SweepOptions, cost: ModelCost, limits: MachineLimits,
 ) -> SweepRow:
-    row = SweepRow(plan.tokens, plan.kind, plan.num_decode, plan.backlog_prompt_tokens, flags=list(flags))
+    row = SweepRow(plan.tokens, plan.kind, plan.num_decode, plan.backlog_prompt_tokens, plan.prompt_tokens,
+                   flags=list(flags))
     row.steps_recorded = len(timings)
     if len(history) != len(timings):
         row.flags.append(f"runner recorded {len(history)} steps, the executor wrapper {len(timings)}")
@@ -368,6 +379,8 @@ def _analyse(
     row.executor_tokens_per_second = plan.tokens / row.executor_seconds
     row.bytes = median(c.bytes for c in costs)
     row.flops = median(c.flops for c in costs)
+    row.kv_bytes = median(c.kv_bytes for c in costs)
+    row.attention_flops = median(c.attention_flops for c in costs)
     row.memory_seconds = median(c.memory_seconds for c in costs)
     row.compute_seconds = median(c.compute_seconds for c in costs)
     row.limit_seconds = median(c.limit_seconds for c in costs)

@@ -6,9 +6,8 @@ DEFAULT_MAX_STEP_TOKENS = 4096
 # offsets (cell x kv heads x head dim) are int64 too; 2^40 cells keeps those offsets in range for any model
 # with fewer than 2^23 K/V values per cell, so no pool a machine can hold is capped at export.
 DEFAULT_MAX_CELLS = 2**40
-# Context cells a static (graph-captured) step may list in total; steps that see more run on forward_others.
-# With the attention kernel this sizes an index buffer (8 bytes a cell), not compute; the masked attention
-# path gathers every entry, so there it bounds each static step's cost too.
+# Context cells a static DFlash draft method lists at most (--draft). The forwards' context index is
+# dynamic: it grows with each step, and the runtime's graph buffers hold the longest one a width can meet.
 DEFAULT_GRAPH_ENTRIES = 65536
 DEFAULT_MIN_PREFILL_CHUNK = 32
 # Sequences per static DFlash draft method (--draft-sizes): a step drafts its speculating sequences in calls

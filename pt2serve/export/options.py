@@ -95,13 +95,6 @@ class ExportOptions:
             jobs = min(jobs, max(1, int(free_bytes // (2 * weight_bytes))))
         return jobs
 
-    def entries_for(self, width: int, max_context: int) -> int:
-        """Entry capacity of the static method of this width: its fixed seq_cells length.
-
-        Steps that see more context run on forward_others instead.
-        """
-        return min(width * max_context, self.graph_entries)
-
     def draft_entries_for(self, num_seqs: int, max_context: int, block_size: int) -> int:
         """Entry capacity of the draft method for `num_seqs` sequences (context and block cells of each).
 

@@ -1,8 +1,10 @@
 """CUDA graphs for the static forward methods, and the fixed-address input buffers they read.
 
 A captured graph freezes every shape and address, so each static width owns one device buffer laid out
-as step.py packs inputs; a step copies its packed host array into that buffer (one copy) and replays.
-Which cells each token sees is data in the buffer, so one graph per width serves any mix of sequences.
+as step.py packs inputs; a step copies its packed host array into the front of that buffer (one copy) and
+replays. Which cells each token sees is data in the buffer, so one graph per width serves any mix of
+sequences. The buffer's last region (the context index) is sized for the longest index the method may meet;
+a step fills only its own part of it, and the graph reads no further than the step's data says.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 
 from pt2serve.contract import FORWARD_INPUTS
-from pt2serve.runtime.step import MethodCall, region_offsets, regions
+from pt2serve.runtime.step import FORWARD_LAYOUT, MethodCall, region_offsets, regions
 
 
 @dataclass
@@ -27,20 +29,24 @@ class StaticBuffers:
     copied: torch.cuda.Event | None  # the last copy out of host_staging, on CUDA
 
     @classmethod
-    def allocate(cls, sizes: tuple[int, ...], device: torch.device) -> "StaticBuffers":
-        total = region_offsets(sizes)[1]
+    def allocate(cls, sizes: tuple[int, ...], device: torch.device,
+                 layout: tuple[int, ...] | None = None) -> "StaticBuffers":
+        total = region_offsets(sizes, layout)[1]
         device_buffer = torch.zeros(total, dtype=torch.int64, device=device)
         pinned = device.type == "cuda"
         host_staging = torch.zeros(total, dtype=torch.int64, pin_memory=pinned)
         copied = torch.cuda.Event() if pinned else None
-        return cls(device_buffer, host_staging, regions(device_buffer, sizes), copied)
+        return cls(device_buffer, host_staging, regions(device_buffer, sizes, layout), copied)
 
     def load(self, host: np.ndarray) -> None:
-        """Copy a packed step into the buffer (asynchronously on CUDA; stream order keeps it safe)."""
+        """Copy a packed step into the front of the buffer (asynchronously on CUDA; stream order keeps it safe).
+
+        `host` may be shorter than the buffer: its last region then holds fewer entries than the buffer's."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy must have left the staging array first
-        self.host_staging.numpy()[:] = host
-        self.device_buffer.copy_(self.host_staging, non_blocking=True)
+        length = len(host)
+        self.host_staging.numpy()[:length] = host
+        self.device_buffer[:length].copy_(self.host_staging[:length], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
@@ -50,9 +56,10 @@ class CapturedForward:
     captured graph. Its inputs are the packed regions of `sizes`, then `pools`; it returns its first output."""
 
     def __init__(self, run, method: str, idle_step: np.ndarray, sizes: tuple[int, ...], pools, device,
-                 graph_pool=None):
+                 graph_pool=None, layout: tuple[int, ...] | None = None):
         self.method = method
-        self.buffers = StaticBuffers.allocate(sizes, device)
+        self.num_entries = sizes[-1] if layout is None else sizes[layout[-1]]  # the last region's capacity
+        self.buffers = StaticBuffers.allocate(sizes, device, layout)
         self.buffers.load(idle_step)
         self._run = run
         self._pools = pools
@@ -93,8 +100,10 @@ class CapturedForward:
         return self.logits
 
 
-def capture_all(run, idle_steps: dict[str, MethodCall], pools, device, use_graph: bool) -> tuple[dict, float]:
-    """A CapturedForward per static method (from its all-padding step); returns them and the capture seconds.
+def capture_all(run, idle_steps: dict[str, tuple[MethodCall, tuple[int, ...]]], pools, device,
+                use_graph: bool) -> tuple[dict, float]:
+    """A CapturedForward per static method, from (its all-padding step, its buffer's region sizes); returns
+    them and the capture seconds.
 
     Every graph allocates from one memory pool, the widest captured first: one step's graph runs at a time
     and its logits are consumed (in stream order) before the next replay, so the graphs can share memory and
@@ -102,11 +111,11 @@ def capture_all(run, idle_steps: dict[str, MethodCall], pools, device, use_graph
     """
     started = time.perf_counter()
     graph_pool = torch.cuda.graph_pool_handle() if use_graph else None
-    assert all(len(idle.sizes) == len(FORWARD_INPUTS) for idle in idle_steps.values())
-    widest_first = sorted(idle_steps.items(), key=lambda item: -item[1].width)
+    assert all(len(sizes) == len(FORWARD_INPUTS) for _, sizes in idle_steps.values())
+    widest_first = sorted(idle_steps.items(), key=lambda item: -item[1][0].width)
     captured = {
-        name: CapturedForward(run, name, idle.host, idle.sizes, pools, device, graph_pool)
-        for name, idle in widest_first
+        name: CapturedForward(run, name, idle.host, sizes, pools, device, graph_pool, FORWARD_LAYOUT)
+        for name, (idle, sizes) in widest_first
     }
     if device.type == "cuda":
         torch.cuda.synchronize(device)

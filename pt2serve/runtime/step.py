@@ -1,10 +1,15 @@
 """Step planning: which method runs a step, slicing over-wide steps, and packing the step's inputs.
 
 A step is a list of chunks, each a run of consecutive tokens of one sequence. Its inputs are packed into
-ONE int64 host array, in the order of contract.FORWARD_INPUTS, so the device gets them in one copy and a
-captured graph reads them from fixed-address slices of one buffer:
+ONE int64 host array, so the device gets them in one copy and a captured graph reads them from
+fixed-address slices of one buffer. The context index comes last (FORWARD_LAYOUT), because only it varies
+in length from step to step:
 
-    [ tokens T | positions T | write_cells T | token_seq T | seq_indptr R+1 | seq_cells E | logit_rows S ]
+    [ tokens T | positions T | write_cells T | token_seq T | seq_indptr R+1 | logit_rows S | seq_cells E ]
+
+A static width's graph buffer holds the longest index that width can meet (width x max context entries), and
+a step copies only the part it fills: the index scales with the step's real context, not with a fixed
+capacity, and the graph never reads past seq_indptr[R].
 
 The logit rows come in three groups: each sampling chunk's last token, then every row of each verifying
 chunk (its pending token and its drafts: see verify.py), then the scored prompt rows.
@@ -28,21 +33,36 @@ from pt2serve.runtime.sampling import SamplingParams
 
 
 REGION_ALIGN = 16  # int64 elements: 128 bytes
+# The order of the forward inputs (contract.FORWARD_INPUTS) in a packed array: seq_cells (5) last.
+FORWARD_LAYOUT = (0, 1, 2, 3, 4, 6, 5)
+ENTRIES = 5  # seq_cells' index in FORWARD_INPUTS
 
 
-def region_offsets(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """Start of each input region in the packed array, and the array's length."""
-    offsets, at = [], 0
-    for size in sizes:
-        offsets.append(at)
-        at += -(-size // REGION_ALIGN) * REGION_ALIGN
+def region_offsets(sizes: tuple[int, ...], layout: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], int]:
+    """Start of each input region in the packed array (in `sizes`' order), and the array's length.
+
+    `layout`: the order the regions are stored in (default: the order of `sizes`)."""
+    offsets, at = [0] * len(sizes), 0
+    for index in layout or range(len(sizes)):
+        offsets[index] = at
+        at += -(-sizes[index] // REGION_ALIGN) * REGION_ALIGN
     return tuple(offsets), at
 
 
-def regions(packed, sizes: tuple[int, ...]) -> list:
-    """The input regions of a packed array or tensor, as views."""
-    offsets, _ = region_offsets(sizes)
+def regions(packed, sizes: tuple[int, ...], layout: tuple[int, ...] | None = None) -> list:
+    """The input regions of a packed array or tensor, as views (in `sizes`' order)."""
+    offsets, _ = region_offsets(sizes, layout)
     return [packed[start:start + size] for start, size in zip(offsets, sizes)]
+
+
+def forward_regions(packed, sizes: tuple[int, ...]) -> list:
+    """The FORWARD_INPUTS regions of a packed forward step."""
+    return regions(packed, sizes, FORWARD_LAYOUT)
+
+
+def with_entries(sizes: tuple[int, ...], num_entries: int) -> tuple[int, ...]:
+    """A forward's region sizes with another seq_cells length (a graph buffer's capacity)."""
+    return sizes[:ENTRIES] + (num_entries,) + sizes[ENTRIES + 1:]
 
 
 @dataclass(frozen=True)
@@ -110,9 +130,17 @@ class MethodCall:
     # index of each verifying chunk, in row order: its 1 + len(drafts) rows follow the sampled rows
     verified_chunks: tuple[int, ...] = ()
 
+    @property
+    def num_entries(self) -> int:
+        return self.sizes[ENTRIES]
+
+    def regions(self) -> list[np.ndarray]:
+        """The input regions of the packed host array, as views (in FORWARD_INPUTS order)."""
+        return forward_regions(self.host, self.sizes)
+
     def device_inputs(self, device: torch.device | str) -> list[torch.Tensor]:
         """The input regions on `device`, from one copy of the packed array."""
-        return regions(torch.from_numpy(self.host).to(device), self.sizes)
+        return forward_regions(torch.from_numpy(self.host).to(device), self.sizes)
 
 
 def slice_step(chunks: list[Chunk], max_tokens: int) -> list[list[tuple[int, Chunk]]]:
@@ -149,18 +177,26 @@ def slice_step(chunks: list[Chunk], max_tokens: int) -> list[list[tuple[int, Chu
 def choose_method(
     num_tokens: int, num_entries: int, forward_sizes: tuple[int, ...], entries_of
 ) -> tuple[str, int | None]:
-    """The narrowest static width that holds the step, else forward_others."""
+    """The narrowest static width that holds the step, else forward_others.
+
+    entries_of(width): the fixed seq_cells length of that static method, or None where it takes any (every
+    artifact exported since the index scales with the step; older ones fixed it at export)."""
     for width in forward_sizes:
         if width >= num_tokens:
             padding_entries = 1 if width > num_tokens else 0
-            if num_entries + padding_entries <= entries_of(width):
+            fixed = entries_of(width)
+            if fixed is None or num_entries + padding_entries <= fixed:
                 return forward_name(width), width
             break  # wider static methods would waste more; the dynamic one fits any entry count
     return FORWARD_OTHERS, None
 
 
-def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_entries: int | None) -> MethodCall:
+def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None,
+         static_entries: int | None = None) -> MethodCall:
     """Lay out one piece's inputs for `method` (static `width`, or forward_others when width is None).
+
+    The index holds the step's own entries (at least 2, as traced), or exactly `static_entries` for a static
+    method whose length was fixed at export.
 
     Whole-array numpy operations rather than a loop over chunks: this runs on the host before every
     device call, and a per-chunk loop took 0.45 ms for 64 decodes (5% of an 8B step on an H200), against
@@ -178,7 +214,7 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_
     else:
         num_tokens, num_padding = width, width - num_real
         num_rows_seq = width
-        num_entries = static_entries
+        num_entries = static_entries or max(2, real_entries + (num_padding > 0))
     sampled = [i for i, c in enumerate(chunks) if c.is_sampled]
     verified = [i for i, c in enumerate(chunks) if c.drafts]
     scored = [i for i, c in enumerate(chunks) if c.prompt_targets]
@@ -186,8 +222,8 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None, static_
     num_scored = sum(len(chunks[i].prompt_targets) for i in scored)
     num_logit_rows = width if width is not None else max(2, len(sampled) + num_verified + num_scored)
     sizes = (num_tokens,) * 4 + (num_rows_seq + 1, num_entries, num_logit_rows)
-    host = np.zeros(region_offsets(sizes)[1], dtype=np.int64)
-    tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = regions(host, sizes)
+    host = np.zeros(region_offsets(sizes, FORWARD_LAYOUT)[1], dtype=np.int64)
+    tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = forward_regions(host, sizes)
     # Sequence r's context is entries indptr[r] .. indptr[r + 1], one per position; its chunk's tokens are
     # the last counts[r] positions of it, so each token's cell is the entry at its position.
     indptr[1:num_seqs + 1] = np.cumsum(ends)
