@@ -67,9 +67,9 @@ def export_command(
     ),
     max_context: Optional[int] = typer.Option(None, help="Longest sequence (default: the model's)."),
     graph_entries: int = typer.Option(
-        DEFAULT_GRAPH_ENTRIES, help="Context cells one static DFlash draft call (--draft) may list in total; "
-        "drafts that list more run in narrower calls. The forwards take any context: their index grows with "
-        "each step."
+        DEFAULT_GRAPH_ENTRIES, help="Context cells one static step may list with --attention masked (which "
+        "gathers them all; steps that list more run on forward_others), and one static DFlash draft call "
+        "(--draft). With the attention kernel a static forward takes every context its width can meet."
     ),
     min_prefill_chunk: int = typer.Option(
         DEFAULT_MIN_PREFILL_CHUNK, help="Prefill is not cut into chunks shorter than this."

@@ -51,7 +51,7 @@ def pack_rows() -> list[tuple[str, float]]:
         ("pack: 64 decodes at context 4,000, forward_64", median_us(lambda: pack(long[4000], "forward_64", 64), 30)),
         ("pack: 64 decodes at context 32,000, forward_64", median_us(lambda: pack(long[32000], "forward_64", 64), 5)),
         ("pack: 32 decodes + 32 x 8-token chunks, forward_others",
-         median_us(lambda: pack(mixed, "forward_others", None, None), 100)),
+         median_us(lambda: pack(mixed, "forward_others", None), 100)),
     ]
 
 

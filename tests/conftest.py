@@ -268,7 +268,8 @@ def packed_random_step(artifact, method: str, width: int | None, lengths: tuple[
         cells = np.arange(next_cell, next_cell + length, dtype=np.int64)
         next_cell += length
         chunks.append(Chunk(cells, tuple(int(t) for t in rng.integers(0, 256, length)), 0, SamplingParams()))
-    return pack(list(enumerate(chunks)), method, width).device_inputs("cpu")
+    call = pack(list(enumerate(chunks)), method, width)
+    return (call.padded(artifact.metadata.entries_of(width)) if width else call).device_inputs("cpu")
 
 
 def random_prompts(count: int, seed: int = 0, max_length: int = 90) -> list[list[int]]:

@@ -296,7 +296,7 @@ from pt2serve.export.methods import MethodSpec, trace_forward
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
 model = load_model(None, "tiny", torch.float32, "cpu", AttentionImpl.KERNEL).model
-for spec in (MethodSpec("forward_64", 64), MethodSpec("forward_others")):
+for spec in (MethodSpec("forward_64", 64, 300), MethodSpec("forward_others")):
     program, _ = trace_forward(model, spec, max_step_tokens=128, max_cells=512)
     torch.export.save(program, f"{sys.argv[1]}/{spec.name}.pt2")
 """
@@ -323,7 +323,7 @@ def test_exported_methods_with_the_kernel_match_masked(tiny_models, exported_wit
     assert any("pt2serve.cell_attention" in t for t in targets)
     assert any("pt2serve.rope_and_store" in t for t in targets)  # rope and the K/V write: one operator
     step, pools = model_step(masked.config, 256, seed=12)
-    if method == "forward_64":  # a static method: pad to its width as the runtime does, with spare entries
+    if method == "forward_64":  # a static method: pad to its width and entry capacity as the runtime does
         step = pad_step(step, 64, 300)
     ref_logits, ref_pools = run_model(masked, step, pools)
     logits, out_pools = run_model(program.module(), step, pools)

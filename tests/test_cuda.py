@@ -71,9 +71,9 @@ def test_graph_replay_equals_the_method_on_every_static_width(artifact):
                                                   cache["head_dim"], meta.kv_dtype, device)
     storage.normal_(generator=torch.Generator(device).manual_seed(0))
     pools = [*k_pools, *v_pools]
-    # Each buffer holds every entry its width can meet; the steps below fill only their front.
+    # Each buffer holds its method's whole index; the steps below fill only its front.
     idle = {f"forward_{n}": (pack([], f"forward_{n}", n), with_entries(pack([], f"forward_{n}", n).sizes,
-                                                                      n * meta.max_context))
+                                                                      meta.entries_of(n)))
             for n in meta.forward_sizes}
     captured, _ = capture_all(artifact.run, idle, pools, device, use_graph=True)
     rng = np.random.default_rng(0)
@@ -89,7 +89,7 @@ def test_graph_replay_equals_the_method_on_every_static_width(artifact):
             replayed = captured[method].run().clone()
             after_replay = storage.clone()
             storage.copy_(before)
-            direct = artifact.run(method, [*call.device_inputs(device), *pools])[0]
+            direct = artifact.run(method, [*call.padded(meta.entries_of(width)).device_inputs(device), *pools])[0]
             torch.testing.assert_close(replayed, direct, atol=1e-5, rtol=0, msg=method)
             torch.testing.assert_close(after_replay, storage, atol=1e-5, rtol=0, msg=method)
             assert not torch.equal(after_replay, before)  # the step wrote its cells

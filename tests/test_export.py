@@ -167,9 +167,10 @@ def test_static_forward_matches_eager(artifact, model, width, fill):
     lengths = split_width(rng, num_real, 3)
     chunks = random_chunks(rng, lengths, POOL_CELLS, model.config.vocab_size)
     piece = list(enumerate(chunks))
-    assert artifact.metadata.entries_of(width) is None  # the index takes any length
-    call = pack(piece, forward_name(width), width)
-    assert call.sizes[0] == width and call.num_entries == max(2, sum(c.end for c in chunks) + (num_real < width))
+    entries = artifact.metadata.entries_of(width)
+    assert entries == width * TEST_MAX_CONTEXT  # every entry a step of this width can list
+    call = pack(piece, forward_name(width), width).padded(entries)
+    assert call.sizes[0] == width and call.sizes[5] == entries
     check_parity(artifact, model, call, seed=width)
 
 
@@ -178,7 +179,7 @@ def test_forward_others_matches_eager(artifact, model, num_real):
     rng = np.random.default_rng(1000 + num_real)
     lengths = split_width(rng, num_real, 3)
     chunks = random_chunks(rng, lengths, POOL_CELLS, model.config.vocab_size, sample_every=1)
-    call = pack(list(enumerate(chunks)), FORWARD_OTHERS, None, None)
+    call = pack(list(enumerate(chunks)), FORWARD_OTHERS, None)
     check_parity(artifact, model, call, seed=num_real)
 
 
@@ -211,7 +212,7 @@ def test_forward_others_inputs_stay_within_compiled_bounds(tiny_artifact, model,
         rng = np.random.default_rng(num_real)
         lengths = split_width(rng, num_real, num_seqs)
         chunks = random_chunks(rng, lengths, POOL_CELLS, model.config.vocab_size, sample_every=1)
-        call = pack(list(enumerate(chunks)), FORWARD_OTHERS, None, None)
+        call = pack(list(enumerate(chunks)), FORWARD_OTHERS, None)
         k_pools, v_pools = random_pools(model.config, POOL_CELLS, seed=0)
         logits = strict.run(FORWARD_OTHERS, [*split_inputs(call), *k_pools, *v_pools])[0]
     assert logits.shape == (call.sizes[6], model.config.vocab_size)
@@ -243,7 +244,7 @@ def test_the_default_max_cells_caps_no_pool_a_machine_can_hold(model):
     rng = np.random.default_rng(7)
     chunks = random_chunks(rng, [20, 7], num_cells, model.config.vocab_size, sample_every=1)
     assert max(int(c.cells.max()) for c in chunks) > 65_537
-    call = pack(list(enumerate(chunks)), FORWARD_OTHERS, None, None)
+    call = pack(list(enumerate(chunks)), FORWARD_OTHERS, None)
     k_pools, v_pools = random_pools(model.config, num_cells, seed=7)
     inputs = split_inputs(call)
     ck, cv, ek, ev = (clone_pools(p) for p in (k_pools, v_pools, k_pools, v_pools))
@@ -278,7 +279,9 @@ def run_step(artifact, chunks: list[Chunk], k_pools, v_pools, force_method: str 
     method, width = choose_method(num_tokens, num_entries, meta.forward_sizes, meta.entries_of)
     if force_method == FORWARD_OTHERS:
         method, width = FORWARD_OTHERS, None
-    call = pack(list(enumerate(chunks)), method, width, meta.entries_of(width) if width else None)
+    call = pack(list(enumerate(chunks)), method, width)
+    if width is not None:
+        call = call.padded(meta.entries_of(width))
     logits = artifact.run(call.method, [*split_inputs(call), *k_pools, *v_pools])[0]
     return logits[: len(call.sampled_chunks)], call
 
@@ -421,7 +424,7 @@ def test_metadata_round_trips(tiny_artifact, model):
     for n in DEFAULT_FORWARD_SIZES:
         spec = raw["methods"][forward_name(n)]
         assert spec["width"] == n
-        assert spec["num_entries"] is None  # the context index takes any length
+        assert spec["num_entries"] == n * TEST_MAX_CONTEXT  # every entry a step of this width can list
 
 
 def run_cli(*args, timeout=120, **kwargs) -> subprocess.CompletedProcess:

@@ -92,10 +92,11 @@ def test_bf16_artifact_loads_and_runs(bf16_artifact):
 
 
 def test_a_static_method_takes_any_context(bf16_artifact):
-    """forward_4's context index has no fixed length: four decodes of 10 cells each and four of 200 (800
-    entries, more than any capacity but width x max context) both run on it and give the designed tokens."""
+    """forward_4's context index holds 4 x max context entries: four decodes of 10 cells each and four of 200
+    (800 entries, past the old default of a fixed capacity shared by all) both run on it and give the designed
+    tokens."""
     raw = read_metadata(bf16_artifact).raw
-    assert raw["methods"]["forward_4"]["num_entries"] is None
+    assert raw["methods"]["forward_4"]["num_entries"] == 4 * 256
     executor = Executor(load_artifact(bf16_artifact), ExecutorConfig(num_cells=1024, use_static_methods=True))
     rng = np.random.default_rng(0)
     for context in (10, 200):

@@ -215,15 +215,15 @@ def test_the_width_schedule_reaches_every_method(toy_artifact):
 
 
 def test_a_static_width_runs_a_step_of_any_context(recall_artifact):
-    """At every static width of the toy-recall artifact, a step of one token fewer than the width whose context
-    is a whole max-context sequence (more entries than a width-times-context-free capacity would hold) and a
-    one-token prompt runs on that width, never forward_others; it samples toy-recall's tokens (read from the
-    cells 6 positions back, so any real entry lost shows) and writes no cell but its own tokens' and the
-    scratch cell."""
+    """At every static width of the toy-recall artifact (whose index holds width x max context entries), a
+    step of one token fewer than the width over a short or a whole max-context sequence, beside a one-token
+    prompt, runs on that width, never forward_others; it samples toy-recall's tokens (read from the cells 6
+    positions back, so any real entry lost shows) and writes no cell but its own tokens' and the scratch
+    cell."""
     executor = Executor(load_artifact(recall_artifact), ExecutorConfig(num_cells=1024, use_static_methods=True))
     meta, allocator = executor.artifact.metadata, executor.allocator
     assert meta.forward_sizes == RECALL_FORWARD_SIZES
-    assert all(meta.entries_of(width) is None for width in meta.forward_sizes)  # the index takes any length
+    assert all(meta.entries_of(width) == width * meta.max_context for width in meta.forward_sizes)
     rng = random.Random(9)
     for width in meta.forward_sizes:
         for long_end in (width, TEST_MAX_CONTEXT - 1):
@@ -247,15 +247,12 @@ def test_a_static_width_runs_a_step_of_any_context(recall_artifact):
             allocator.free(short_cells)
 
 
-@pytest.mark.parametrize("method,width,entries", [
-    ("forward_8", 8, None), ("forward_64", 64, None), (FORWARD_OTHERS, None, None),
-    ("forward_8", 8, 64), ("forward_64", 64, 512),  # artifacts exported with a fixed index length
-])
+@pytest.mark.parametrize("method,width,entries", [("forward_8", 8, 64), ("forward_64", 64, 512), (FORWARD_OTHERS, None, None)])
 def test_pack_lays_out_each_chunk(method, width, entries):
     """pack's whole-array layout against a chunk-by-chunk reference, padding included; and the contract
     the compiled attention relies on: seq_cells[seq_indptr[token_seq[t]] + positions[t]] == write_cells[t].
-    The index holds the step's own entries (a fixed length only where the artifact fixed one), and it is the
-    packed array's last region, so a graph buffer takes a step by copying its front."""
+    The index holds the step's own entries and is the packed array's last region, so a graph buffer takes a
+    step by copying its front; padded to a static method's length, it is the same step."""
     rng = np.random.default_rng(5)
     for _ in range(30):
         piece, left, next_cell = [], width or 40, 1
@@ -268,14 +265,18 @@ def test_pack_lays_out_each_chunk(method, width, entries):
             left -= length
             if width is not None and rng.random() < 0.3:
                 break  # leave padding
-        call = pack(piece, method, width, entries)
-        tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = call.regions()
+        call = pack(piece, method, width)
         real_entries = sum(chunk.end for _, chunk in piece)
         padded = width is not None and sum(len(chunk.tokens) for _, chunk in piece) < width
-        expected = entries or (real_entries + 1 if width is None else max(2, real_entries + padded))
-        assert len(seq_cells) == call.num_entries == expected
+        assert call.num_entries == (real_entries + 1 if width is None else max(2, real_entries + padded))
         offsets, _ = region_offsets(call.sizes, FORWARD_LAYOUT)
         assert offsets[5] == max(offsets)  # seq_cells is stored last
+        if entries is not None:
+            full = call.padded(entries)
+            assert full.num_entries == entries
+            assert all(np.array_equal(a[: len(b)], b) for a, b in zip(full.regions(), call.regions()))
+            call = full
+        tokens, positions, write_cells, token_seq, indptr, seq_cells, logit_rows = call.regions()
         at, entry, sampled_rows = 0, 0, []
         for row, (_, chunk) in enumerate(piece):
             span = slice(at, at + len(chunk.tokens))

@@ -183,7 +183,7 @@ for i, shape in enumerate(model_matmuls(model)):  # alternate gemv and dot tiles
     options = candidates(width, shape.kind == "swiglu")
     configs[choice_key(shape.kind, shape.rows, shape.cols, width, torch.float32)] = options[-1 if i % 2 else 0]
 with using(LinearChoices(configs)):
-    program, _ = trace_forward(model, MethodSpec(f"forward_{width}", width), max_step_tokens=128, max_cells=512)
+    program, _ = trace_forward(model, MethodSpec(f"forward_{width}", width, 300), max_step_tokens=128, max_cells=512)
 torch.export.save(program, sys.argv[1])
 """
 

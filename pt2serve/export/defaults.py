@@ -6,8 +6,9 @@ DEFAULT_MAX_STEP_TOKENS = 4096
 # offsets (cell x kv heads x head dim) are int64 too; 2^40 cells keeps those offsets in range for any model
 # with fewer than 2^23 K/V values per cell, so no pool a machine can hold is capped at export.
 DEFAULT_MAX_CELLS = 2**40
-# Context cells a static DFlash draft method lists at most (--draft). The forwards' context index is
-# dynamic: it grows with each step, and the runtime's graph buffers hold the longest one a width can meet.
+# Context cells a static DFlash draft method lists at most (--draft), and a static forward of an artifact
+# with masked attention (which gathers every entry: there it bounds each static step's cost). With the
+# attention kernel a static forward holds every entry its width can meet (ExportOptions.entries_for).
 DEFAULT_GRAPH_ENTRIES = 65536
 DEFAULT_MIN_PREFILL_CHUNK = 32
 # Sequences per static DFlash draft method (--draft-sizes): a step drafts its speculating sequences in calls

@@ -59,7 +59,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
     if options.backend == "cuda" and options.tune_matmuls:
         choices, timings = tune(model, options.forward_sizes, show_progress)
         tuning = describe(model, timings) | {"choices": choices.to_dict()}
-    specs = method_specs(options.forward_sizes)
+    specs = method_specs(options.forward_sizes, lambda width: options.entries_for(width, max_context))
     draft, max_draft_cells = None, 0
     if options.draft is not None:
         draft = attach_draft(model, options.draft)  # checks the draft against the target before any compile

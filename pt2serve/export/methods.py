@@ -31,7 +31,7 @@ class MethodSpec:
 
     name: str
     width: int | None = None  # static forwards only
-    num_entries: int | None = None  # draft_S: fixed seq_cells length (a forward's is dynamic at every width)
+    num_entries: int | None = None  # static forwards and draft_S: fixed seq_cells length
     num_seqs: int | None = None  # draft_S only: the sequences it drafts for
 
 
@@ -42,9 +42,9 @@ def draft_specs(draft_sizes: tuple[int, ...], entries_for) -> list[MethodSpec]:
     return blocks + [MethodSpec(DRAFT_CONTEXT)]
 
 
-def method_specs(forward_sizes: tuple[int, ...]) -> list[MethodSpec]:
+def method_specs(forward_sizes: tuple[int, ...], entries_for) -> list[MethodSpec]:
     """All methods of an artifact, the slowest to compile (widest static) first."""
-    specs = [MethodSpec(forward_name(n), n) for n in sorted(forward_sizes, reverse=True)]
+    specs = [MethodSpec(forward_name(n), n, entries_for(n)) for n in sorted(forward_sizes, reverse=True)]
     samplers = [SAMPLE, SAMPLE_ARGMAX, ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED]
     return specs + [MethodSpec(FORWARD_OTHERS)] + [MethodSpec(name) for name in samplers]
 
@@ -76,7 +76,7 @@ def trace_forward(model: Transformer, spec: MethodSpec, max_step_tokens: int, ma
     max_tokens = max_step_tokens + 1
     num_tokens = spec.width if static else max(3, min(max_tokens, 80))
     num_seqs = num_tokens if static else 2
-    num_entries = num_tokens + 5
+    num_entries = spec.num_entries if static else num_tokens + 5
     num_cells = max(num_tokens + 2, 8)
     step = example_step(num_tokens, num_seqs, num_entries, num_cells, device)
     pool_shape = (num_cells, cfg.num_kv_heads, cfg.head_dim)
@@ -86,17 +86,14 @@ def trace_forward(model: Transformer, spec: MethodSpec, max_step_tokens: int, ma
     # The pool's cell count is dynamic even for static widths: the runtime sizes the pool at load.
     cells = Dim("cells", min=2, max=max_cells + 1)
     pool_dims = [{0: cells} for _ in range(cfg.num_layers)]
-    # The context index is dynamic at every width: a step lists each of its sequences' cells, however long
-    # (the runtime's graph buffer holds the longest a width can meet; step.py). With the attention kernel
-    # nothing but the kernel reads it, so its length costs nothing.
-    entry_dims = {0: Dim("entries", min=2)}
     if static:
-        token_dims = indptr_dims = row_dims = None
+        token_dims = indptr_dims = entry_dims = row_dims = None
     else:
         # Min 2 (a size-1 example would specialize); the runtime may still run T = 1 on it.
         tokens_dim = Dim("tokens", min=2, max=max_tokens)
         token_dims = {0: tokens_dim}
         indptr_dims = {0: Dim("seqs_plus_one", min=3, max=max_tokens + 1)}
+        entry_dims = {0: Dim("entries", min=2)}
         row_dims = {0: Dim("rows", min=2, max=max_tokens)}
     dynamic_shapes = (
         token_dims, token_dims, token_dims, token_dims, indptr_dims, entry_dims, row_dims, pool_dims, pool_dims,

@@ -95,6 +95,19 @@ class ExportOptions:
             jobs = min(jobs, max(1, int(free_bytes // (2 * weight_bytes))))
         return jobs
 
+    def entries_for(self, width: int, max_context: int) -> int:
+        """The context index length of the static method of this width (its fixed seq_cells length).
+
+        With the attention kernel, every entry a step of that width can list: each token its own sequence at
+        the max context. Only the kernel reads the index, so its length costs memory (8 bytes an entry, in the
+        runtime's graph buffer: 67 MB for width 64 at 131,072) and no time: a step packs and copies the part
+        it fills. Masked attention gathers every entry, so there --graph-entries bounds it and steps that list
+        more run on forward_others.
+        """
+        if self.attention_impl is AttentionImpl.KERNEL:
+            return width * max_context
+        return min(width * max_context, self.graph_entries)
+
     def draft_entries_for(self, num_seqs: int, max_context: int, block_size: int) -> int:
         """Entry capacity of the draft method for `num_seqs` sequences (context and block cells of each).
 

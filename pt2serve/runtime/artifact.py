@@ -97,15 +97,9 @@ class Metadata:
     def min_prefill_chunk(self) -> int:
         return self.raw["min_prefill_chunk"]
 
-    def entries_of(self, width: int) -> int | None:
-        """The fixed context index length of a static forward, or None where it takes any length (artifacts
-        exported since the index scales with the step)."""
-        return self.raw["methods"][forward_name(width)].get("num_entries")
-
-    @property
-    def attention(self) -> str:
-        """The attention implementation the forwards were built with: "kernel" (Triton) or "masked"."""
-        return self.raw.get("attention", "kernel" if self.backend == "cuda" else "masked")
+    def entries_of(self, width: int) -> int:
+        """The fixed context index length of a static forward."""
+        return self.raw["methods"][forward_name(width)]["num_entries"]
 
     def internal_name(self, method: str) -> str:
         return self.raw["methods"][method]["internal_name"]
@@ -334,9 +328,8 @@ def _malformed_field(raw: dict[str, Any]) -> str | None:
         return "methods is not an object giving each method's internal_name"
     for width in sizes:
         spec = methods.get(forward_name(width), {})
-        entries = spec.get("num_entries")
-        if "internal_name" in spec and entries is not None and not _is_positive_int(entries):
-            return f"methods.{forward_name(width)}.num_entries is {entries!r}, neither null nor a positive integer"
+        if "internal_name" in spec and not _is_positive_int(spec.get("num_entries")):
+            return f"methods.{forward_name(width)}.num_entries is {spec.get('num_entries')!r}, not a positive integer"
     draft = raw.get("draft")
     if draft is not None and not _is_draft_record(draft, methods):
         return ("draft is not {block_size, mask_token_id, target_layer_ids, sizes, cache {num_layers, num_kv_heads, "

@@ -59,9 +59,6 @@ from pt2serve.runtime.verify import acceptance_inputs, emitted_tokens
 # On the CPU the pool shares host memory with everything else, and a CPU serves few tokens at a time: by
 # default it holds no more than this many tokens (or one max-context sequence, if longer).
 CPU_POOL_TOKENS = 65536
-# A graph of a masked-attention artifact (a check of that path on a GPU) gathers and masks every entry of its
-# buffer, so its index is kept to this; steps that list more run their static method without a graph.
-MASKED_GRAPH_ENTRIES = 8192
 _SCRATCH_ONLY = np.array([SCRATCH_CELL])  # the cells of a one-token sequence that touches only the scratch cell
 
 
@@ -75,9 +72,10 @@ class ExecutorConfig:
     # the pool's address, so the pool is allocated before them.
     kv_memory_fraction: float = 0.6
     use_cuda_graphs: bool = True
-    # None: the static methods serve steps only where CUDA graphs capture them (their purpose: without a
-    # graph a step gains nothing from a fixed width and pays for its padding). True forces them (tests,
-    # checks of the methods).
+    # None: the static methods serve steps only where CUDA graphs capture them (their purpose); without a
+    # graph a step pays for the padding of its width and index and gains nothing (with masked attention,
+    # CPU artifacts, the whole index is gathered: tiny, 64 decodes, 51 ms on forward_64 against 3.3 ms on
+    # forward_others). True forces them (tests, checks of the methods).
     use_static_methods: bool | None = None
     # Run the artifact's DFlash draft (--speculate dflash): allocate its cell pool and write its context with
     # every forward. The artifact must hold one (export --draft).
@@ -264,8 +262,8 @@ class Executor:
         idle_steps = {}
         for width in self.forward_sizes if self.uses_cuda_graphs else ():
             method = f"forward_{width}"
-            idle = pack([], method, width, meta.entries_of(width))
-            idle_steps[method] = (idle, with_entries(idle.sizes, self._graph_entries(width)))
+            idle = pack([], method, width)
+            idle_steps[method] = (idle, with_entries(idle.sizes, meta.entries_of(width)))
         with _out_of_memory_explained("capturing CUDA graphs"):
             self._graphs, capture_seconds = capture_all(
                 self._run_forward, idle_steps, self.pools, self.device, self.uses_cuda_graphs
@@ -300,18 +298,6 @@ class Executor:
         if self.device.type != "cuda":
             return 0
         return max(0, torch.cuda.memory_reserved(self.device) - reserved_before)
-
-    def _graph_entries(self, width: int) -> int:
-        """The context index a static width's graph holds: its export's fixed length, else every entry that
-        width can meet (each of its sequences at the max context; 8 bytes an entry: 67 MB for width 64 at
-        131,072), so every step a static width runs stays on its graph. A step copies only what it fills."""
-        meta = self.artifact.metadata
-        fixed = meta.entries_of(width)
-        if fixed is not None:
-            return fixed
-        if meta.attention == "masked":
-            return min(width * meta.max_context, MASKED_GRAPH_ENTRIES)
-        return width * meta.max_context
 
     def _pool_size(self, config: ExecutorConfig) -> tuple[int, str]:
         """The pool's cells (with the scratch cell) and what decided it."""
@@ -354,7 +340,7 @@ class Executor:
             num_tokens = sum(len(c.tokens) for _, c in piece)
             num_entries = sum(c.end for _, c in piece)
             method, width = choose_method(num_tokens, num_entries, self.forward_sizes, meta.entries_of)
-            planned.append((piece, pack(piece, method, width, meta.entries_of(width) if width else None)))
+            planned.append((piece, pack(piece, method, width)))
         return planned
 
     def step(self, chunks: list[Chunk]) -> StepResult:
@@ -445,11 +431,12 @@ class Executor:
 
     def _forward(self, call: MethodCall) -> torch.Tensor:
         graph = self._graphs.get(call.method)
-        if graph is not None and call.num_entries <= graph.num_entries:
-            graph.load(call.host)
+        if graph is not None:
+            graph.load(call.host)  # the front of the buffer: the index holds the rest of its capacity
             self._fill_placeholders(call, graph.inputs[0])
             return graph.run()
-        # forward_others, or a static method without a graph: the step's own inputs, exactly as long as it needs.
+        if call.width is not None:  # a static method without a graph: its index at the method's fixed length
+            call = call.padded(self.artifact.metadata.entries_of(call.width))
         inputs = forward_regions(self._to_device(call.host), call.sizes)
         self._fill_placeholders(call, inputs[0])
         return self._run_forward(call.method, [*inputs, *self.pools])[0]

@@ -3,8 +3,9 @@
 A captured graph freezes every shape and address, so each static width owns one device buffer laid out
 as step.py packs inputs; a step copies its packed host array into the front of that buffer (one copy) and
 replays. Which cells each token sees is data in the buffer, so one graph per width serves any mix of
-sequences. The buffer's last region (the context index) is sized for the longest index the method may meet;
-a step fills only its own part of it, and the graph reads no further than the step's data says.
+sequences. The buffer's last region (the context index) has the method's fixed length, every entry a step
+of that width may list; a step fills only its own part of it, and the graph reads no further than the
+step's data says.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ class CapturedForward:
     def __init__(self, run, method: str, idle_step: np.ndarray, sizes: tuple[int, ...], pools, device,
                  graph_pool=None, layout: tuple[int, ...] | None = None):
         self.method = method
-        self.num_entries = sizes[-1] if layout is None else sizes[layout[-1]]  # the last region's capacity
         self.buffers = StaticBuffers.allocate(sizes, device, layout)
         self.buffers.load(idle_step)
         self._run = run

@@ -7,9 +7,10 @@ in length from step to step:
 
     [ tokens T | positions T | write_cells T | token_seq T | seq_indptr R+1 | logit_rows S | seq_cells E ]
 
-A static width's graph buffer holds the longest index that width can meet (width x max context entries), and
-a step copies only the part it fills: the index scales with the step's real context, not with a fixed
-capacity, and the graph never reads past seq_indptr[R].
+A static method's index has the fixed length its export gave it: with the attention kernel, every entry a
+step of that width can list (each token its own sequence at the max context). Its graph buffer holds all of
+it, but a step packs and copies only the entries it lists (the graph never reads past seq_indptr[R]), so
+the host's work scales with the step's real context, not with that capacity.
 
 The logit rows come in three groups: each sampling chunk's last token, then every row of each verifying
 chunk (its pending token and its drafts: see verify.py), then the scored prompt rows.
@@ -134,6 +135,14 @@ class MethodCall:
     def num_entries(self) -> int:
         return self.sizes[ENTRIES]
 
+    def padded(self, num_entries: int) -> "MethodCall":
+        """The same call with its index padded (by the scratch cell) to a static method's fixed length: what
+        the method takes when it runs without the graph buffer that holds the rest."""
+        sizes = with_entries(self.sizes, num_entries)
+        host = np.zeros(region_offsets(sizes, FORWARD_LAYOUT)[1], dtype=np.int64)
+        host[: len(self.host)] = self.host  # the index is the last region: SCRATCH_CELL (0) fills the rest
+        return replace(self, host=host, sizes=sizes)
+
     def regions(self) -> list[np.ndarray]:
         """The input regions of the packed host array, as views (in FORWARD_INPUTS order)."""
         return forward_regions(self.host, self.sizes)
@@ -177,26 +186,22 @@ def slice_step(chunks: list[Chunk], max_tokens: int) -> list[list[tuple[int, Chu
 def choose_method(
     num_tokens: int, num_entries: int, forward_sizes: tuple[int, ...], entries_of
 ) -> tuple[str, int | None]:
-    """The narrowest static width that holds the step, else forward_others.
-
-    entries_of(width): the fixed seq_cells length of that static method, or None where it takes any (every
-    artifact exported since the index scales with the step; older ones fixed it at export)."""
+    """The narrowest static width that holds the step (its tokens, and its entries in the method's fixed index
+    length, entries_of(width)), else forward_others."""
     for width in forward_sizes:
         if width >= num_tokens:
             padding_entries = 1 if width > num_tokens else 0
-            fixed = entries_of(width)
-            if fixed is None or num_entries + padding_entries <= fixed:
+            if num_entries + padding_entries <= entries_of(width):
                 return forward_name(width), width
             break  # wider static methods would waste more; the dynamic one fits any entry count
     return FORWARD_OTHERS, None
 
 
-def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None,
-         static_entries: int | None = None) -> MethodCall:
+def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None) -> MethodCall:
     """Lay out one piece's inputs for `method` (static `width`, or forward_others when width is None).
 
-    The index holds the step's own entries (at least 2, as traced), or exactly `static_entries` for a static
-    method whose length was fixed at export.
+    The index holds the step's own entries (at least 2): a graph buffer takes them as they are, a static
+    method run without one takes MethodCall.padded.
 
     Whole-array numpy operations rather than a loop over chunks: this runs on the host before every
     device call, and a per-chunk loop took 0.45 ms for 64 decodes (5% of an 8B step on an H200), against
@@ -214,7 +219,7 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None,
     else:
         num_tokens, num_padding = width, width - num_real
         num_rows_seq = width
-        num_entries = static_entries or max(2, real_entries + (num_padding > 0))
+        num_entries = max(2, real_entries + (num_padding > 0))
     sampled = [i for i, c in enumerate(chunks) if c.is_sampled]
     verified = [i for i, c in enumerate(chunks) if c.drafts]
     scored = [i for i, c in enumerate(chunks) if c.prompt_targets]
