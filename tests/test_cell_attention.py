@@ -315,8 +315,8 @@ def exported_with_kernel(tmp_path_factory) -> Path:
 def test_exported_methods_with_the_kernel_match_masked(tiny_models, exported_with_kernel, method):
     """The traced program (the operator inside it, query_indptr derived in the graph) runs the step right.
 
-    AOTInductor cannot compile a Triton operator for the CPU; compiling it is checked on the GPU
-    (scripts/device/attention_check.py)."""
+    AOTInductor cannot compile a Triton operator for the CPU; compiling it is checked on the GPU (the cuda
+    tests export toy-greedy for cuda; tests/test_cuda_kernels.py checks the operator at the 8B's shapes)."""
     masked, _ = tiny_models
     program = torch.export.load(exported_with_kernel / f"{method}.pt2")
     targets = [str(node.target) for node in program.graph.nodes]

@@ -3,13 +3,14 @@ compute, the runner serves the designed tokens through them in fp32 and bf16 (an
 --no-cuda-graphs), the KV pool is sized from free GPU memory, and an artifact built for another GPU
 architecture is refused.
 
-Every test here is marked `cuda`: skipped without a GPU, run on the GPU machine by
-scripts/device/cuda_tests.sh (`pytest -m cuda tests/test_cuda.py`).
+Every test here is marked `cuda`: skipped without a GPU, run on the GPU machine by the cuda-tests chain
+(`scripts/device/run.py start cuda-tests`; see scripts/device/chains.toml).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,12 +38,17 @@ MAX_CELLS = 1 << 22  # large enough that the pool is sized by free memory, not b
 POOL_CELLS = 1024
 
 
+_EXPORTED: dict[str, Path] = {}  # dtype -> path: one export per test run, shared with tests/test_cuda_*.py
+
+
 def toy_greedy_for_cuda(dtype: str, tmp_path_factory):
     def options(path):
         return ExportOptions(backend="cuda", output=path, preset="toy-greedy", dtype=dtype, forward_sizes=FORWARD_SIZES,
                              max_context=TEST_MAX_CONTEXT, max_step_tokens=TEST_MAX_STEP_TOKENS, max_cells=MAX_CELLS)
 
-    return exported(f"toy-greedy-cuda-{dtype}", options, tmp_path_factory)
+    if dtype not in _EXPORTED:
+        _EXPORTED[dtype] = exported(f"toy-greedy-cuda-{dtype}", options, tmp_path_factory)
+    return _EXPORTED[dtype]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from pt2serve.bench.options import DEFAULT_TPOT_TARGET_MS, DEFAULT_TTFT_TARGET_MS
+from pt2serve.bench.startup import DEFAULT_RUNS
 from pt2serve.cli_errors import fail
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime_flags import (
@@ -54,19 +55,27 @@ _HELP = f"""Benchmark an artifact: throughput per step width (sweep) or latency 
 - top-1 agreement = fraction of those positions where both artifacts' highest logit is the same token
 - KL = KL(REF || artifact) of the next-token distributions, in nats: mean and max over the positions
 
+--mode profile: where a decode step's time goes, kernel by kernel. For each T in --tokens (default 1,64), T sequences at context 64 decode together with CUDA graphs off (so every kernel is seen) on the static methods; --iters steps after --warmup run under torch.profiler. Per T: the kernels' device time per step, the kernels a step launches, and the 16 that took the most time with their calls per step and share (on the CPU: operators and their own CPU time).
+
+--mode matmuls: a decode step's weight matmuls alone (every layer's projections and the LM head of the artifact's model, random weights in its dtype) at M = --tokens rows (default 1,8,16,32,64), back to back, against the floor = the weights' bytes / measured copy bandwidth; the plain matmuls (cuBLAS) beside the kernels the export chose (its small-M Triton kernels where they won). On a GPU in one CUDA graph, the median of --iters replays.
+
+--mode startup: --runs launches (default 2) of pt2serve serve-artifact on 127.0.0.1 (with the pool, graph and step budget flags given here), each timed from launch to the first 200 from /health (at most --timeout seconds) and stopped with SIGINT; beside it the server's own load line: ready after launch, and the load's parts (weights, methods beside them, binding, KV pool, graph capture).
+
 --json writes every number with the machine, versions, artifact metadata and flags; --plot writes a PNG.
 """
 
 
 def bench_command(
     artifact: Optional[Path] = typer.Argument(None, help="A .pt2 written by pt2serve export (optional with --url)."),
-    mode: str = typer.Option("sweep", help="sweep, requests or quality."),
+    mode: str = typer.Option("sweep", help="sweep, requests, quality, profile, matmuls or startup (see above)."),
     reference: Optional[Path] = typer.Option(None, help="quality: the artifact to compare against (e.g. the bf16 export)."),
     tokens: Optional[str] = typer.Option(
-        None, help="sweep: step widths T, comma-separated (default: 1,2,4,... up to min(4096, max_step_tokens))."
+        None, help="sweep: step widths T, comma-separated (default: 1,2,4,... up to min(4096, max_step_tokens)); "
+        "profile: decode widths (default 1,64); matmuls: rows M (default 1,8,16,32,64)."
     ),
-    warmup: int = typer.Option(3, help="sweep: steady steps skipped before measuring."),
-    iters: int = typer.Option(10, help="sweep: steady steps measured (median reported)."),
+    warmup: int = typer.Option(3, help="sweep: steady steps skipped before measuring (profile: decode steps)."),
+    iters: int = typer.Option(10, help="sweep: steady steps measured (median reported); profile: steps profiled; "
+                              "matmuls: timed runs (median reported)."),
     decode_cap: int = typer.Option(32, help="sweep: decoding requests in rows wider than the widest static size."),
     prefill_chunk: Optional[int] = typer.Option(
         None, help="sweep: backlog prompt length in those rows (default: min(256, max_context - 1))."
@@ -115,7 +124,9 @@ def bench_command(
     no_cuda_graphs: bool = typer.Option(
         False, "--no-cuda-graphs", help="In-process runs without CUDA graphs (then every step runs forward_others)."
     ),
-    timeout: float = typer.Option(600.0, help="Seconds a sweep row, or each requests run, may take."),
+    timeout: float = typer.Option(600.0, help="Seconds a sweep row, or each requests run, may take (startup: "
+                                  "each launch until ready)."),
+    runs: Optional[int] = typer.Option(None, help=f"startup: server launches (default {DEFAULT_RUNS})."),
     eager_peer: bool = typer.Option(True, help="sweep: also time each row's middle step in eager PyTorch."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every number to this JSON file."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG plot here (needs matplotlib)."),
@@ -134,7 +145,7 @@ def _run(
     turns, system_tokens, requests, max_new_tokens, stagger_ms, request_rate, request_rates, ttft_target_ms,
     tpot_target_ms, seed, token_budget, max_decode_sequences, min_prefill_chunk, prefix_cache, speculate,
     num_draft_tokens, url, model, device,
-    num_cells, kv_memory_fraction, no_cuda_graphs, timeout, eager_peer, json_path, plot,
+    num_cells, kv_memory_fraction, no_cuda_graphs, timeout, runs, eager_peer, json_path, plot,
 ) -> None:
     # Every flag as given, for the JSON report (taken first, before the imports below add names).
     flags = {("json" if name == "json_path" else name): value for name, value in locals().items()}
@@ -162,16 +173,24 @@ def _run(
                     "--num-draft-tokens": num_draft_tokens}
     chat_flags = {"--workload": workload, "--turns": turns, "--system-tokens": system_tokens}
     wrong_mode = {
-        "sweep": {**chat_flags, "--stagger-ms": stagger_ms, "--request-rate": request_rate,
+        "sweep": {**chat_flags, "--runs": runs, "--stagger-ms": stagger_ms, "--request-rate": request_rate,
                   "--request-rates": request_rates, "--ttft-target-ms": ttft_target_ms, "--tpot-target-ms": tpot_target_ms, "--url": url,
                   "--model": model, "--prompt-tokens": prompt_tokens, "--reference": reference, **runner_flags},
         "requests": {"--tokens": tokens, "--prefill-chunk": prefill_chunk, "--context": context,
-                     "--reference": reference},
+                     "--reference": reference, "--runs": runs},
         "quality": {**chat_flags, "--tokens": tokens, "--prefill-chunk": prefill_chunk, "--context": context,
                     "--stagger-ms": stagger_ms, "--request-rate": request_rate, "--request-rates": request_rates,
                     "--ttft-target-ms": ttft_target_ms, "--tpot-target-ms": tpot_target_ms, "--url": url,
-                    "--model": model, "--plot": plot, **runner_flags},
-    }[mode]
+                    "--model": model, "--plot": plot, "--runs": runs, **runner_flags},
+    }.get(mode)
+    if wrong_mode is None:  # the modes of one measurement each: every optional flag but the ones they take
+        every = {**chat_flags, **runner_flags, "--reference": reference, "--tokens": tokens,
+                 "--prefill-chunk": prefill_chunk, "--context": context, "--prompt-tokens": prompt_tokens,
+                 "--stagger-ms": stagger_ms, "--request-rate": request_rate, "--request-rates": request_rates,
+                 "--ttft-target-ms": ttft_target_ms, "--tpot-target-ms": tpot_target_ms, "--url": url,
+                 "--model": model, "--plot": plot, "--runs": runs}
+        takes = {"profile": {"--tokens"}, "matmuls": {"--tokens"}, "startup": {"--runs", *runner_flags}}[mode]
+        wrong_mode = {name: value for name, value in every.items() if name not in takes}
     given = [name for name, value in wrong_mode.items() if value is not None]
     if given:
         raise Pt2ServeError(f"{', '.join(given)} do not apply to --mode {mode}")
@@ -222,6 +241,40 @@ def _run(
         document = report.sweep_document(result, str(artifact), raw, flags)
         if plot is not None:
             report.plot_sweep(result, plot, title)
+    elif mode == "profile":
+        from pt2serve.bench.profile import ProfileOptions, profile_document, profile_tables, run_profile
+
+        options = ProfileOptions(tokens=parse_tokens(tokens) if tokens is not None else None, warmup=warmup,
+                                 iters=iters)
+        with StatusLine() as status:
+            result = run_profile(artifact, options, device=device, executor_config=executor_config, progress=status)
+        for part in profile_tables(result, f"pt2serve bench profile: {name} on {result.device}"):
+            console.print(part)
+        document = profile_document(result, str(artifact), raw, flags)
+    elif mode == "matmuls":
+        from pt2serve.bench.matmul_floor import matmul_floor_document, matmul_floor_table, run_matmul_floor
+
+        with StatusLine() as status:
+            result = run_matmul_floor(artifact, parse_tokens(tokens) if tokens is not None else None, iters=iters,
+                                      device=device, progress=status)
+        console.print(matmul_floor_table(result, f"pt2serve bench matmuls: {name} on {result.device}"))
+        document = matmul_floor_document(result, str(artifact), raw, flags)
+    elif mode == "startup":
+        from pt2serve.bench.startup import run_startup, startup_document, startup_table
+
+        server_args = _server_args(token_budget=token_budget, max_decode_sequences=max_decode_sequences,
+                                   min_prefill_chunk=min_prefill_chunk, speculate=speculate,
+                                   num_draft_tokens=num_draft_tokens, num_cells=num_cells,
+                                   kv_memory_fraction=kv_memory_fraction, device=device)
+        if prefix_cache is not None:
+            server_args.append("--prefix-cache" if prefix_cache else "--no-prefix-cache")
+        if no_cuda_graphs:
+            server_args.append("--no-cuda-graphs")
+        with StatusLine() as status:
+            result = run_startup(artifact, server_args, runs=runs if runs is not None else DEFAULT_RUNS,
+                                 timeout=timeout, progress=status)
+        console.print(startup_table(result, f"pt2serve bench startup: {name}"))
+        document = startup_document(result, str(artifact), raw, flags)
     elif mode == "quality":
         from pt2serve.bench.quality import QualityOptions, run_quality
 
@@ -274,3 +327,12 @@ def _run(
         console.print(f"wrote {json_path}")
     if plot is not None:
         console.print(f"wrote {plot}")
+
+
+def _server_args(**given) -> list[str]:
+    """serve-artifact's flags for the values given (None: left to the server's default)."""
+    args = []
+    for name, value in given.items():
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    return args

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pt2serve.errors import Pt2ServeError
 
-MODES = ("sweep", "requests", "quality")
+MODES = ("sweep", "requests", "quality", "profile", "matmuls", "startup")
 WORKLOADS = ("random", "chat")
 MAX_DEFAULT_TOKENS = 4096
 DEFAULT_BACKLOG_PROMPT = 256

@@ -201,6 +201,12 @@ def quality_document(result: QualityResult, artifact: str, raw: dict[str, Any] |
     return {**_header("quality", artifact, raw, result.device, flags), "result": result.to_dict()}
 
 
+def document_header(mode: str, artifact: str | None, raw: dict[str, Any] | None, device: str | None,
+                    flags: dict[str, Any]) -> dict[str, Any]:
+    """The fields every mode's JSON document starts with (the modes in their own files use it too)."""
+    return _header(mode, artifact, raw, device, flags)
+
+
 def _header(mode: str, artifact: str | None, raw: dict[str, Any] | None, device: str | None,
             flags: dict[str, Any]) -> dict[str, Any]:
     return {

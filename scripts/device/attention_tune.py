@@ -1,18 +1,110 @@
-"""On a GPU: time the cell-attention kernels over launch configs, one knob at a time from the defaults.
+"""On a GPU: the cell-attention kernels' speed, then their launch configs, one knob at a time from the defaults.
 
-Usage: python scripts/device/attention_tune.py
-Static (decode-sized) cases vary the KV block, warps, stages, split minimum and split count; dynamic
-(prefill-sized) cases vary the query and KV tiles, warps and stages. Each time is one call inside a CUDA graph
-of 16 calls (as a step's layers run), llama-3.1-8b head shapes, bf16. A table per case family last.
+Usage: python scripts/device/attention_tune.py [--quick] [--speed-only]
+1. Speed at the defaults: each case replayed in a CUDA graph (as the runtime runs static widths), next to the
+   bytes of K/V it must read over the measured copy bandwidth, and to the masked path where that fits in memory
+   (--quick leaves the masked path out).
+2. Launch configs (--speed-only leaves them out): static (decode-sized) cases vary the KV block, warps, stages,
+   split minimum and split count; dynamic (prefill-sized) cases vary the query and KV tiles, warps and stages.
+Each time is one call inside a CUDA graph of 16 calls (as a step's layers run), llama-3.1-8b head shapes, bf16.
+A table per part last. Correctness at these shapes: tests/test_cuda_kernels.py (marked cuda).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
+import numpy as np
 import torch
 
-from attention_check import config_for, copy_bandwidth, graph_ms, random_step, runner, HEAD_DIM, KV_HEADS
+from pt2serve.bench.roofline import measure_limits
+from pt2serve.kernels import cell_attention as ops
+from pt2serve.kernels.graph_timing import graph_replay_ms
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+DEVICE = "cuda"
+
+
+def random_step(seed: int, chunks, num_cells: int, dtype):
+    """(q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells) for (before, count) chunks:
+    the operator's inputs but the block table, which depends on the launch config (see `runner`)."""
+    rng = np.random.default_rng(seed)
+    order = torch.from_numpy(rng.permutation(np.arange(1, num_cells)))
+    taken, seq_cells, indptr, positions, token_seq = 0, [], [0], [], []
+    for seq, (before, count) in enumerate(chunks):
+        length = before + count
+        seq_cells.append(order[taken:taken + length])
+        taken += length
+        indptr.append(indptr[-1] + length)
+        positions.append(torch.arange(before, length))
+        token_seq.append(torch.full((count,), seq))
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    num_tokens = sum(count for _, count in chunks)
+    q = torch.randn(num_tokens, HEADS, HEAD_DIM, device=DEVICE, generator=generator, dtype=dtype)
+    k = torch.randn(num_cells, KV_HEADS, HEAD_DIM, device=DEVICE, generator=generator, dtype=dtype)
+    v = torch.randn(num_cells, KV_HEADS, HEAD_DIM, device=DEVICE, generator=generator, dtype=dtype)
+    token_seq = torch.cat(token_seq).to(DEVICE)
+    seq_indptr = torch.tensor(indptr, device=DEVICE)
+    query_indptr = ops.query_indptr(token_seq, len(chunks))
+    return q, k, v, torch.cat(positions).to(DEVICE), token_seq, query_indptr, seq_indptr, torch.cat(seq_cells).to(DEVICE)
+
+
+def config_for(step, static: bool) -> ops.LaunchConfig:
+    q, _, _, _, _, _, seq_indptr, _ = step
+    return ops.LaunchConfig.for_call(q.shape[0] if static else None, seq_indptr.shape[0] - 1, HEADS, KV_HEADS)
+
+
+def runner(step, config: ops.LaunchConfig):
+    """A call of the operator's kernels on `step` with `config`, its block table built once (as per step)."""
+    q, _, _, _, _, query_indptr, seq_indptr, _ = step
+    block_seq_end = ops.block_sequence_ends(query_indptr, config.num_blocks(q.shape[0], seq_indptr.shape[0] - 1), config.block_q)
+    return lambda: ops.launch_cell_attention(*step, block_seq_end, config)
+
+
+def graph_ms(fn, iters: int = 20, calls: int = 16) -> float:
+    """Median ms of one `fn`, `calls` of them captured back to back in a CUDA graph (as a step's layers run)."""
+    return graph_replay_ms(lambda: [fn() for _ in range(calls)], iters) / calls
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy (read + write), measured as the bench measures it."""
+    return measure_limits(DEVICE, "bf16").memory_bandwidth
+
+
+SPEED = {  # name: (chunks, static call site?)
+    "T=1 ctx 64": ([(63, 1)], True),
+    "T=1 ctx 4096": ([(4095, 1)], True),
+    "T=32 ctx 64": ([(63, 1)] * 32, True),
+    "T=64 ctx 64": ([(63, 1)] * 64, True),
+    "T=64 ctx 4096": ([(4095, 1)] * 64, True),
+    "T=2048 chunk after 12k": ([(12288, 2048)], False),
+    "T=4096 prefill": ([(0, 4096)], False),
+}
+
+
+def speed(bandwidth: float, quick: bool) -> None:
+    """The defaults' time per case, against the KV read floor and the masked path."""
+    rows = []
+    for name, (chunks, static) in SPEED.items():
+        num_cells = sum(b + c for b, c in chunks) + 16
+        step = random_step(3, chunks, num_cells, torch.bfloat16)
+        config = config_for(step, static)
+        kernel_ms = graph_ms(runner(step, config))
+        kv_bytes = sum(b + c for b, c in chunks) * KV_HEADS * HEAD_DIM * 2 * 2
+        floor_ms = kv_bytes / bandwidth * 1e3
+        masked = "-"
+        if not quick and sum(c for _, c in chunks) * sum(b + c for b, c in chunks) <= 64 * 8192:
+            q, k, v, positions, token_seq, _, seq_indptr, seq_cells = step
+            mask = ops.visibility_mask(positions, token_seq, seq_indptr, seq_cells.shape[0])
+            masked = f"{graph_ms(lambda: ops.masked_cell_attention(q, k, v, seq_cells, mask), calls=4) * 1e3:.1f}"
+        rows.append((name, f"{kernel_ms * 1e3:.1f} us", f"{floor_ms * 1e3:.1f} us", f"{floor_ms / kernel_ms:.0%}",
+                     f"{masked} us", f"splits<={config.max_splits}"))
+        print(rows[-1], flush=True)
+    print("\n| case | kernel | KV floor | of bandwidth | masked | |\n|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
 
 STATIC_CASES = {
     "T=1 ctx 64": [(63, 1)],
@@ -74,6 +166,9 @@ def attention_flops(chunks) -> float:
 def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    speed(bandwidth, "--quick" in sys.argv)
+    if "--speed-only" in sys.argv:
+        return
     for cases, variants, static in ((STATIC_CASES, STATIC_VARIANTS, True), (DYNAMIC_CASES, DYNAMIC_VARIANTS, False)):
         table = {}
         for case, chunks in cases.items():
