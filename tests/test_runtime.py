@@ -585,7 +585,7 @@ def test_clone_sees_the_shared_prefix(executor, toy_model):
     # Logits, not only the argmax: the clone's next step must attend to the shared prefix's K/V.
     token = rng.randrange(VOCAB)
     clone.append(allocator.allocate(1))
-    call = pack([(0, Chunk(clone.cells, (token,), shared + len(branch), GREEDY))], FORWARD_OTHERS, None, None)
+    call = pack([(0, Chunk(clone.cells, (token,), shared + len(branch), GREEDY))], FORWARD_OTHERS, None)
     logits = executor.artifact.run(FORWARD_OTHERS, [*call.device_inputs("cpu"), *executor.pools])[0][0]
     expected = EagerSequence(toy_model, 32).extend(prompt[:shared] + branch + [token])[-1]
     assert (logits - expected).abs().max().item() <= 1e-4

@@ -51,7 +51,7 @@ class EagerPeer:
         """One step: the sampled (greedy) token of every chunk that asks for one."""
         tokens = []
         for piece in slice_step(chunks, self.max_step_tokens):
-            call = pack(piece, FORWARD_OTHERS, None, None)
+            call = pack(piece, FORWARD_OTHERS, None)
             logits = self.model(*call.device_inputs(self.device), self.k_pools, self.v_pools)
             tokens += logits[: len(call.sampled_chunks)].argmax(-1).tolist()
         return tokens

@@ -80,7 +80,7 @@ class _Scorer:
     def logits(self, chunks: list[Chunk]) -> torch.Tensor:
         rows = []
         for piece in slice_step(chunks, self.artifact.metadata.max_step_tokens):
-            call = pack(piece, FORWARD_OTHERS, None, None)
+            call = pack(piece, FORWARD_OTHERS, None)
             inputs = [*call.device_inputs(self.artifact.device), *self.k_pools, *self.v_pools]
             rows.append(self.artifact.run(FORWARD_OTHERS, inputs)[0][: len(call.sampled_chunks)])
         return torch.cat(rows)
