@@ -20,8 +20,9 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from pt2serve.cluster.app import build_app  # noqa: E402
+from pt2serve.cluster.app import app_builder, build_app  # noqa: E402
 from pt2serve.cluster.config import ClusterConfig  # noqa: E402
+from pt2serve.errors import Pt2ServeError  # noqa: E402
 from pt2serve.runtime.executor import ExecutorConfig  # noqa: E402
 
 TWO = "two"
@@ -108,6 +109,7 @@ def test_later_turns_go_home(two_replicas):
     conversations = asyncio.run(run())
     later = [(previous[0], cached) for turns in conversations for previous, (_, cached) in zip(turns, turns[1:])]
     home = sum(cached >= previous_prompt - 1 for previous_prompt, cached in later)
+    print(f"{home} of {len(later)} later turns routed home")
     assert home / len(later) >= 0.95, f"{home} of {len(later)} later turns found their history: {conversations}"
 
 
@@ -140,6 +142,13 @@ def _replica_requests(url: str) -> dict[str, float]:
             replica = labels.split('replica="')[1].split('"')[0]
             counts[replica] = counts.get(replica, 0.0) + float(value)
     return counts
+
+
+def _gateway_counts(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("pt2serve_gateway_"))
+    return {"retries": float(values["pt2serve_gateway_retries_total"]),
+            "lost": float(values["pt2serve_gateway_requests_lost_total"])}
 
 
 def test_metrics_are_labelled_by_replica(two_replicas):
@@ -193,9 +202,15 @@ def test_killing_a_replica_mid_load_loses_no_request(two_replicas):
             outcomes = await asyncio.gather(*(one(client, i) for i in range(24)))
             return await killer, outcomes
 
+    before = _gateway_counts(url)
     killed, outcomes = asyncio.run(run())
+    after = _gateway_counts(url)
     assert all(outcome in ("complete", "cut") for outcome in outcomes)
     assert outcomes.count("complete") >= 12  # every non-streamed one at least
+    cut = outcomes.count("cut")
+    assert after["lost"] - before["lost"] == cut  # no request lost but the streams cut
+    # The kill hit requests: some were sent again (those it held before their first bytes), or cut.
+    assert after["retries"] - before["retries"] + cut >= 1, (killed, outcomes)
     # The deployment brings the killed replica back.
     deadline = time.monotonic() + 120
     while _running(TWO) < 2:
@@ -215,6 +230,7 @@ def _running(app: str) -> int:
     return states.get("RUNNING", 0)
 
 
+@pytest.mark.slow  # about 35 s on 2 cores
 def test_autoscaling_goes_to_two_under_a_queue_and_back(ray_url, tiny_artifact):
     cluster = ClusterConfig(autoscale=(1, 2), target_active=2, upscale_delay_s=0, downscale_delay_s=3,
                             look_back_s=1, max_ongoing_requests=32)
@@ -238,3 +254,13 @@ def test_autoscaling_goes_to_two_under_a_queue_and_back(ray_url, tiny_artifact):
             time.sleep(0.5)
     finally:
         serve.delete("scaled")
+
+
+def test_a_serve_config_builds_the_app_from_its_args(tiny_artifact):
+    """What a Ray Serve config file (or KubeRay's serveConfigV2) hands app_builder."""
+    assert isinstance(app_builder({"artifact": str(tiny_artifact), "autoscale": "1:3", "routing": "first-tokens",
+                                   "model_name": "m"}), serve.Application)
+    with pytest.raises(Pt2ServeError, match="artifact"):
+        app_builder({"replicas": 2})
+    with pytest.raises(Pt2ServeError, match="unknown"):
+        app_builder({"artifact": str(tiny_artifact), "gpus": 2})

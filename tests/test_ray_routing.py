@@ -125,14 +125,21 @@ def test_route_key_is_the_prompt_as_the_server_encodes_it(tiny_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def tiny_app(tiny_artifact):
-    """The server's app over the tiny artifact, and the same app served over HTTP (for comparison)."""
+def tiny_runner_url(tiny_artifact):
+    """A runner over the tiny artifact, and the server's app over it served over HTTP (for comparison)."""
     runner = open_runner(tiny_artifact, device="cpu")
-    app = create_app(ServerConfig(model_name="tiny"), runner)
-    thread = ServerThread(app).start()
-    yield app, thread.url
+    thread = ServerThread(create_app(ServerConfig(model_name="tiny"), runner)).start()
+    yield runner, thread.url
     thread.stop()
     runner.close()
+
+
+@pytest.fixture
+def tiny_app(tiny_runner_url):
+    """A fresh app over the same runner (an app bridges engine events into the one loop that first used it,
+    so each test, with its own asyncio.run, gets its own), and the HTTP server's URL."""
+    runner, url = tiny_runner_url
+    return create_app(ServerConfig(model_name="tiny"), runner), url
 
 
 def _call(method: str, path: str, body: dict | None = None) -> HttpCall:
@@ -159,7 +166,7 @@ def test_a_call_answers_as_the_server_does_over_http(tiny_app, stream):
     if stream:
         texts = [[json.loads(line[6:])["choices"][0]["text"] for line in raw.decode().split("\n\n")
                   if line.startswith("data: {")] for raw in (answer, over_http.content)]
-        assert texts[0] == texts[1] and len(texts[0]) == 6
+        assert texts[0] == texts[1] and len(texts[0]) == 7  # a chunk per token, then the finish
         assert answer.endswith(b"data: [DONE]\n\n")
     else:
         mine, theirs = json.loads(answer), over_http.json()
@@ -169,11 +176,14 @@ def test_a_call_answers_as_the_server_does_over_http(tiny_app, stream):
 def test_a_call_answers_errors_as_the_server_does(tiny_app):
     app, url = tiny_app
     body = {"prompt": "x", "max_tokens": "many"}
-    start, answer = asyncio.run(_collect(app, _call("POST", "/v1/completions", body)))
+
+    async def both():
+        return await _collect(app, _call("POST", "/v1/completions", body)), await _collect(app, _call("GET", "/nowhere"))
+
+    (start, answer), (missing, _) = asyncio.run(both())
     over_http = httpx.post(f"{url}/v1/completions", json=body)
     assert (start.status, json.loads(answer)) == (over_http.status_code, over_http.json())
-    start, _ = asyncio.run(_collect(app, _call("GET", "/nowhere")))
-    assert start.status == 404
+    assert missing.status == 404
 
 
 def test_a_call_whose_caller_leaves_cancels_its_request(tiny_app):
@@ -185,12 +195,12 @@ def test_a_call_whose_caller_leaves_cancels_its_request(tiny_app):
         responses = call_app(app, _call("POST", "/v1/completions", body))
         await responses.__anext__()
         await responses.aclose()
+        for _ in range(500):
+            if runner.num_active == 0:
+                return
+            await asyncio.sleep(0.01)
 
     asyncio.run(leave_after_first_token())
-    for _ in range(200):
-        if runner.num_active == 0:
-            break
-        asyncio.run(asyncio.sleep(0.01))
     assert runner.num_active == 0
 
 
@@ -234,3 +244,20 @@ def test_cluster_config_refuses_what_cannot_run():
     with pytest.raises(Pt2ServeError, match="replicas"):
         ClusterConfig(replicas=0)
     assert ClusterConfig(routing="first-tokens").routing is Routing.FIRST_TOKENS
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--autoscale", "3"], "MIN:MAX"),
+    (["--autoscale", "3:2"], "MIN <= MAX"),
+    (["--routing", "random"], "--routing must be"),
+    (["--max-ongoing-requests", "300"], "must not exceed"),
+])
+def test_serve_ray_refuses_bad_flags_before_starting_anything(tiny_artifact, args, message):
+    from typer.testing import CliRunner
+
+    from pt2serve.cli import app
+
+    if args[0] == "--max-ongoing-requests":
+        pytest.importorskip("ray")  # checked by build_app, which needs Ray
+    result = CliRunner().invoke(app, ["serve-ray", str(tiny_artifact), *args])
+    assert result.exit_code != 0 and message in result.output, result.output

@@ -17,7 +17,7 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from pt2serve.cluster.autoscale import QueueAndKvPolicy
-from pt2serve.cluster.config import ClusterConfig
+from pt2serve.cluster.config import ClusterConfig, parse_autoscale
 from pt2serve.cluster.gateway import Gateway
 from pt2serve.cluster.replica import EngineReplica, ReplicaSettings
 from pt2serve.cluster.router import PrefixAwareRouter
@@ -54,6 +54,23 @@ def build_app(artifact: str | Path, cluster: ClusterConfig = ClusterConfig(), se
     gateway = serve.deployment(Gateway, name="Gateway").options(
         max_ongoing_requests=server.max_connections, ray_actor_options={"num_cpus": 0})
     return gateway.bind(engine.bind(settings), str(artifact), server, board_name)
+
+
+def app_builder(args: dict) -> Application:
+    """build_app from a Ray Serve config file's `args` (import_path: pt2serve.cluster.app:app_builder):
+    `artifact`, any ClusterConfig field (`autoscale` as "MIN:MAX"), and `model_name`."""
+    args = dict(args)
+    artifact = args.pop("artifact", None)
+    if artifact is None:
+        raise Pt2ServeError("the application's args need `artifact`: the .pt2 path every node can read")
+    server = ServerConfig(model_name=args.pop("model_name")) if "model_name" in args else None
+    if isinstance(args.get("autoscale"), str):
+        args["autoscale"] = parse_autoscale(args["autoscale"])
+    try:
+        cluster = ClusterConfig(**args)
+    except TypeError as err:
+        raise Pt2ServeError(f"unknown application args: {err}") from None
+    return build_app(artifact, cluster, server)
 
 
 def _resources(cluster: ClusterConfig, device: str | None) -> dict:

@@ -73,13 +73,6 @@ def serve_ray_command(
         fail(f"--device must be cuda or cpu, got {device!r}")
     if not artifact.is_file():
         fail(f"{artifact} does not exist or is not a file")
-    try:
-        import ray  # noqa: F401
-        from ray import serve
-    except ImportError:
-        fail("serve-ray needs Ray Serve: pip install 'pt2serve[ray]'")
-
-    from pt2serve.cluster.app import build_app
     from pt2serve.cluster.config import ClusterConfig, parse_autoscale
     from pt2serve.runtime.executor import ExecutorConfig
     from pt2serve.runtime.runner import RunnerConfig
@@ -97,6 +90,16 @@ def serve_ray_command(
         executor = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction))
         runner = RunnerConfig(**step_budget(token_budget, max_decode_sequences, min_prefill_chunk),
                               **prefix_reuse(prefix_cache_enabled, None), max_sessions=max_sessions)
+    except Pt2ServeError as err:
+        fail(str(err))
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        fail("serve-ray needs Ray Serve: pip install 'pt2serve[ray]'")
+    from pt2serve.cluster.app import build_app
+
+    try:
         application = build_app(artifact, cluster, server, executor, runner, device, threads)
     except Pt2ServeError as err:
         fail(str(err))

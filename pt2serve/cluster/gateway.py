@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
@@ -46,7 +46,20 @@ def _lost() -> ApiError:
     return ApiError(503, "the replica serving this request stopped; retry", code="replica_lost")
 
 
-async def _rest(responses: DeploymentResponseGenerator, start: ResponseStart) -> AsyncIterator[bytes]:
+class GatewayMetrics:
+    """What only the gateway sees, appended to the replicas' merged /metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.retries = Counter("pt2serve_gateway_retries", "Requests sent again to another replica because the "
+                               "one they were on stopped before answering.", registry=self.registry)
+        self.lost = Counter("pt2serve_gateway_requests_lost", "Requests answered with replica_lost: a stream whose "
+                            "replica stopped after it began, or a request whose every attempt's replica stopped.",
+                            registry=self.registry)
+
+
+async def _rest(responses: DeploymentResponseGenerator, start: ResponseStart,
+                metrics: GatewayMetrics) -> AsyncIterator[bytes]:
     """The response's bytes from its first on; a replica lost mid-stream ends an event stream with an error."""
     finished = False
     try:
@@ -57,6 +70,7 @@ async def _rest(responses: DeploymentResponseGenerator, start: ResponseStart) ->
     except RETRYABLE as err:
         finished = True
         log.warning("a replica stopped while streaming a response: %s", type(err).__name__)
+        metrics.lost.inc()
         if start.is_event_stream:
             yield sse(_lost().body()) + SSE_DONE
     finally:
@@ -83,13 +97,15 @@ class Gateway:
         self._tokenizer = read_tokenizer(artifact)
         self._config = config
         self._board_name = board_name
+        self._metrics = GatewayMetrics()
 
     @api.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(self, request: Request) -> Response:
         if not self._authorized(request):
             return Response(status_code=401, headers={"WWW-Authenticate": "Bearer"})
         texts = await board.board(self._board_name).texts.remote()
-        return Response(merge_metrics(texts), media_type=CONTENT_TYPE_LATEST)
+        own = generate_latest(self._metrics.registry)
+        return Response(merge_metrics(texts) + own, media_type=CONTENT_TYPE_LATEST)
 
     @api.api_route("/{path:path}", methods=METHODS)
     async def forward(self, request: Request, path: str) -> Response:
@@ -106,14 +122,16 @@ class Gateway:
                 start = await responses.__anext__()
             except RETRYABLE as err:
                 log.warning("%s %s: its replica stopped before answering (attempt %d of %d): %s", request.method,
-                            request.url.path, attempt, MAX_ATTEMPTS, type(err).__name__)
+                            path, attempt, MAX_ATTEMPTS, type(err).__name__)
+                self._metrics.retries.inc()
                 continue
             except asyncio.CancelledError:  # the client went away
                 responses.cancel()
                 raise
-            response = StreamingResponse(_rest(responses, start), status_code=start.status)
+            response = StreamingResponse(_rest(responses, start, self._metrics), status_code=start.status)
             response.raw_headers = list(start.headers)
             return response
+        self._metrics.lost.inc()
         return _lost().response()
 
     def _authorized(self, request: Request) -> bool:
