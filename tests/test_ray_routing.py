@@ -59,6 +59,24 @@ def test_a_conversation_goes_home_and_new_ones_spread_by_load():
     assert policy.rank(None, REPLICAS) == [REPLICAS]
 
 
+def test_a_busy_home_is_passed_over_so_a_shared_system_prompt_spreads():
+    """The first replica to take a system prompt is the only one holding it: new conversations go there until
+    it has more than `imbalance` requests beyond the least loaded; then one goes elsewhere, that replica holds
+    the prompt too, and from then on they tie (Ray takes the least loaded of a rank)."""
+    policy = RoutePolicy(imbalance=2)
+    system = list(range(4 * BLOCK_TOKENS))
+    policy.record(RouteKey.of(system + [1] * BLOCK_TOKENS), "r0")
+    policy.record(RouteKey.of(system + [2] * BLOCK_TOKENS), "r0")  # the system prompt is shared now
+    new = RouteKey.of(system + [3] * BLOCK_TOKENS)
+    assert policy.rank(new, REPLICAS, {"r0": 2})[0] == ["r0"]
+    assert policy.rank(new, REPLICAS, {"r0": 3}) == [REPLICAS]  # 3 beyond r1's and r2's none: by load
+    policy.record(new, "r1")
+    assert policy.rank(RouteKey.of(system + [4] * BLOCK_TOKENS), REPLICAS, {"r0": 3})[0] == ["r0", "r1"]
+    # A later turn's own history is not shared: it stays home however busy home is (until Ray finds it full).
+    later = RouteKey.of(system + [1] * 3 * BLOCK_TOKENS)
+    assert policy.rank(later, REPLICAS, {"r0": 30})[0] == ["r0"]
+
+
 def test_a_session_goes_where_it_went_whatever_its_prompt():
     policy = RoutePolicy()
     policy.record(RouteKey.of([1] * BLOCK_TOKENS, session_id="s"), "r2")
@@ -77,12 +95,23 @@ def test_prefix_table_is_bounded_and_forgets_a_replica():
     table = PrefixTable(max_blocks=4)
     table.record(range(10), "r0")
     assert len(table) == 4  # the most recent blocks stay
-    assert table.longest_match([6, 7, 8, 9], REPLICAS) == (4, {"r0"})
+    assert table.longest_match([6, 7, 8, 9], REPLICAS) == (4, {"r0"}, False)
     table.record([6, 7], "r1")
-    assert table.longest_match([6, 7, 8], REPLICAS) == (3, {"r0"})
-    assert table.longest_match([6, 7], REPLICAS) == (2, {"r0", "r1"})
+    assert table.longest_match([6, 7, 8], REPLICAS) == (3, {"r0"}, False)
+    assert table.longest_match([6, 7], REPLICAS) == (2, {"r0", "r1"}, False)
     table.forget("r0")
-    assert table.longest_match([6, 7, 8], REPLICAS) == (2, {"r1"})
+    assert table.longest_match([6, 7, 8], REPLICAS) == (2, {"r1"}, False)
+
+
+def test_prefix_table_knows_where_prompts_branch():
+    table = PrefixTable()
+    table.record([1, 2, 3], "r0")
+    assert table.longest_match([1, 2, 9], REPLICAS) == (2, {"r0"}, False)
+    table.record([1, 2, 4], "r1")  # a second prompt went on from block 2 another way: 1, 2 are shared
+    assert table.longest_match([1, 2, 9], REPLICAS) == (2, {"r0", "r1"}, True)
+    assert table.longest_match([1, 2, 3, 5], REPLICAS) == (3, {"r0"}, False)
+    table.record_held([3, 2, 1], "r2")  # a replica's report: held blocks, no order to learn from
+    assert table.longest_match([1, 2, 3], REPLICAS) == (3, {"r0", "r2"}, False)
 
 
 def test_first_tokens_ring_is_stable_and_moves_few_keys():

@@ -44,7 +44,8 @@ def build_app(artifact: str | Path, cluster: ClusterConfig = ClusterConfig(), se
         max_ongoing_requests=cluster.max_ongoing_requests,
         ray_actor_options=_resources(cluster, device or backend),
         request_router_config=RequestRouterConfig(
-            request_router_class=PrefixAwareRouter, request_router_kwargs={"routing": cluster.routing.value},
+            request_router_class=PrefixAwareRouter, request_router_kwargs={"routing": cluster.routing.value,
+                                                                 "imbalance": cluster.imbalance},
             request_routing_stats_period_s=cluster.report_period_s),
         graceful_shutdown_timeout_s=cluster.drain_timeout_s,
         health_check_period_s=2.0, health_check_timeout_s=30.0,

@@ -45,6 +45,8 @@ def serve_ray_command(
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: what the artifact was built for)."),
     max_ongoing_requests: int = typer.Option(64, help="Requests one replica takes at once; past it, requests that "
                                              "would go there go to the least loaded replica."),
+    imbalance: int = typer.Option(8, help="A request's home replica is passed over for the least loaded one when it "
+                                  "has more than this many requests in flight beyond it."),
     target_active: float = typer.Option(8.0, help="--autoscale: requests running or queued per replica."),
     target_kv_use: float = typer.Option(0.8, help="--autoscale: share of a replica's KV pool held by requests."),
     upscale_delay: float = typer.Option(5.0, help="--autoscale: seconds the load must call for more replicas."),
@@ -81,8 +83,8 @@ def serve_ray_command(
     try:
         cluster = ClusterConfig(
             replicas=replicas, autoscale=parse_autoscale(autoscale) if autoscale is not None else None,
-            routing=_routing(routing), max_ongoing_requests=max_ongoing_requests, target_active=target_active,
-            target_kv_use=target_kv_use, upscale_delay_s=upscale_delay, downscale_delay_s=downscale_delay,
+            routing=_routing(routing), max_ongoing_requests=max_ongoing_requests, imbalance=imbalance,
+            target_active=target_active,            target_kv_use=target_kv_use, upscale_delay_s=upscale_delay, downscale_delay_s=downscale_delay,
             num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, drain_timeout_s=drain_timeout)
         server = ServerConfig(model_name=model_name or artifact.stem, api_key=api_key, max_queued=max_queued,
                               max_connections=max(512, 2 * max_queued), drain_timeout_s=drain_timeout,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pt2serve.cluster.routing import Routing
+from pt2serve.cluster.routing import DEFAULT_IMBALANCE, Routing
 from pt2serve.errors import Pt2ServeError
 
 
@@ -16,6 +16,8 @@ class ClusterConfig:
     # Requests one replica takes at once; past it the replica counts as saturated and a request that would
     # go there goes to the least loaded other one. At most the server's max_queued (it would answer 429).
     max_ongoing_requests: int = 64
+    # A home with more requests in flight than this beyond the least loaded replica is passed over (routing.py).
+    imbalance: int = DEFAULT_IMBALANCE
     target_active: float = 8.0  # autoscaling: requests (running + queued) per replica
     target_kv_use: float = 0.8  # autoscaling: the share of a replica's KV pool held by requests
     upscale_delay_s: float = 5.0
@@ -36,6 +38,8 @@ class ClusterConfig:
                 raise Pt2ServeError(f"autoscale needs 0 <= MIN <= MAX and MAX >= 1, got {low}:{high}")
         if self.max_ongoing_requests < 1:
             raise Pt2ServeError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}")
+        if self.imbalance < 0:
+            raise Pt2ServeError(f"imbalance must not be negative, got {self.imbalance}")
         if self.target_active <= 0:
             raise Pt2ServeError(f"target_active must be positive, got {self.target_active}")
         if not 0 < self.target_kv_use <= 1:

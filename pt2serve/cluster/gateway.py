@@ -36,6 +36,7 @@ from pt2serve.serve.openai_format import SSE_DONE, sse
 log = logging.getLogger("pt2serve.cluster")
 
 MAX_ATTEMPTS = 4
+RETRY_PAUSE_S = 0.05
 RETRYABLE = (RayActorError, ReplicaUnavailableError)
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
@@ -124,6 +125,7 @@ class Gateway:
                 log.warning("%s %s: its replica stopped before answering (attempt %d of %d): %s", request.method,
                             path, attempt, MAX_ATTEMPTS, type(err).__name__)
                 self._metrics.retries.inc()
+                await asyncio.sleep(RETRY_PAUSE_S * attempt)  # while Ray's router learns the replica is gone
                 continue
             except asyncio.CancelledError:  # the client went away
                 responses.cancel()

@@ -13,30 +13,41 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pt2serve.cluster.calls import HttpCall
-from pt2serve.cluster.routing import RouteKey, RoutePolicy, Routing
+from pt2serve.cluster.routing import DEFAULT_IMBALANCE, RouteKey, RoutePolicy, Routing
 
 REPORTED_BLOCKS = "blocks"  # the routing stats key under which a replica lists the block hashes it took
 REPORT_VERSION = "version"
 
 
 class PrefixAwareRouter(RequestRouter):
-    def initialize_state(self, routing: str = Routing.PREFIX.value) -> None:
-        self._policy = RoutePolicy(Routing(routing))
+    def initialize_state(self, routing: str = Routing.PREFIX.value, imbalance: int = DEFAULT_IMBALANCE) -> None:
+        self._policy = RoutePolicy(Routing(routing), imbalance)
         self._merged_reports: dict[str, int] = {}  # replica -> version of its report already in the table
+        # What this router sent that has not completed: request id -> replica, and the count per replica.
+        self._sent: dict[str, str] = {}
+        self._in_flight: dict[str, int] = {}
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         for replica in candidate_replicas:
             self._merge_report(replica)
-        ranks = self._policy.rank(_route_key(pending_request), list(by_id))
+        ranks = self._policy.rank(_route_key(pending_request), list(by_id), self._in_flight)
         if pending_request is not None:
             # Every rank lists all candidates between them: wait (with backoff) before asking again.
             pending_request.routing_context.should_backoff = True
         return [[by_id[r] for r in rank] for rank in ranks if rank]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        self._policy.record(_route_key(pending_request), replica_id.unique_id)
+        replica = replica_id.unique_id
+        self._policy.record(_route_key(pending_request), replica)
+        self._sent[pending_request.metadata.internal_request_id] = replica
+        self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        replica = self._sent.pop(internal_request_id, None)
+        if replica is not None and replica in self._in_flight:
+            self._in_flight[replica] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -52,6 +63,7 @@ class PrefixAwareRouter(RequestRouter):
     def _forget(self, replica: str) -> None:
         self._policy.forget(replica)
         self._merged_reports.pop(replica, None)
+        self._in_flight.pop(replica, None)
 
     def _merge_report(self, replica: RunningReplica) -> None:
         """Take in the blocks a replica reported since the last look (other gateways' traffic, and what this
@@ -62,7 +74,7 @@ class PrefixAwareRouter(RequestRouter):
         if version is None or self._merged_reports.get(replica_id) == version:
             return
         self._merged_reports[replica_id] = version
-        self._policy.table.record(stats.get(REPORTED_BLOCKS, ()), replica_id)
+        self._policy.table.record_held(stats.get(REPORTED_BLOCKS, ()), replica_id)
 
 
 def _route_key(pending_request: PendingRequest | None) -> RouteKey | None:

@@ -19,6 +19,14 @@ Two ways to pick a replica from it, both measured in docs/replicas.md:
 A session (X-Session-ID) is sent where it went before, whatever its prompt. Either way the answer is ranks:
 the preferred replicas first, then the others; Ray Serve takes the least loaded replica of the first rank
 with room (fewer than max_ongoing_requests in flight), so a saturated home gives way to the least loaded.
+
+The table also notes where prompts branch: a block after which two prompts went on differently ends a shared
+prefix (a system prompt). A request whose deepest match is such a block has nothing of its own anywhere; its
+home is passed over when it has more than `imbalance` requests in flight beyond the least loaded replica.
+Else the first replica to take a system prompt, alone holding it, would draw every new conversation until it
+saturates; passed over, the next replica takes one and holds the prompt too, and from then on new
+conversations tie and spread by load. A later turn, whose deepest block is its own history, stays home
+until its replica is saturated.
 """
 
 from __future__ import annotations
@@ -28,12 +36,13 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 BLOCK_TOKENS = 16  # tokens per hashed block: a prefix is matched to within this many tokens
 HEAD_TOKENS = 256  # FirstTokensRing: the leading tokens hashed
 MAX_TABLE_BLOCKS = 1 << 20  # PrefixTable entries kept, least recently used evicted first (~100 MB at most)
 MAX_SESSIONS = 1 << 16
+DEFAULT_IMBALANCE = 8  # requests in flight a home may have beyond the least loaded replica's
 RING_POINTS = 64  # points on the ring per replica
 
 
@@ -66,41 +75,72 @@ def block_hashes(token_ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(hashes)
 
 
+@dataclass
+class _Block:
+    owners: set[str]  # replicas that took a prompt holding this block
+    next_block: int | None = None  # the first block seen after it
+    is_shared: bool = False  # prompts went on from it in two or more ways (a system prompt, a template)
+
+
 class PrefixTable:
-    """Block hash -> replicas that took a prompt holding it; bounded, least recently used first out."""
+    """Block hash -> replicas that took a prompt holding it, and whether prompts branch after it; bounded,
+    least recently used first out."""
 
     def __init__(self, max_blocks: int = MAX_TABLE_BLOCKS) -> None:
-        self._owners: OrderedDict[int, set[str]] = OrderedDict()
+        self._blocks: OrderedDict[int, _Block] = OrderedDict()
         self._max_blocks = max_blocks
 
     def __len__(self) -> int:
-        return len(self._owners)
+        return len(self._blocks)
 
-    def record(self, blocks: Iterable[int], replica: str) -> None:
+    def record(self, blocks: Sequence[int], replica: str) -> None:
+        """`replica` took a prompt of these chained blocks."""
+        previous: _Block | None = None
         for block in blocks:
-            owners = self._owners.pop(block, None) or set()
-            owners.add(replica)
-            self._owners[block] = owners
-        while len(self._owners) > self._max_blocks:
-            self._owners.popitem(last=False)
+            entry = self._take(block, replica)
+            if previous is not None:
+                if previous.next_block is None:
+                    previous.next_block = block
+                elif previous.next_block != block:
+                    previous.is_shared = True
+            previous = entry
+        self._evict()
 
-    def longest_match(self, blocks: Sequence[int], replicas: Iterable[str]) -> tuple[int, set[str]]:
-        """(blocks matched, the replicas among `replicas` that hold all of them); (0, set()) for no match."""
-        holders, depth = set(replicas), 0
+    def record_held(self, blocks: Iterable[int], replica: str) -> None:
+        """`replica` holds these blocks, in no particular order (what a replica reports)."""
         for block in blocks:
-            live = holders & self._owners.get(block, set())
+            self._take(block, replica)
+        self._evict()
+
+    def _take(self, block: int, replica: str) -> _Block:
+        entry = self._blocks.pop(block, None) or _Block(set())
+        entry.owners.add(replica)
+        self._blocks[block] = entry  # the most recently used, last
+        return entry
+
+    def _evict(self) -> None:
+        while len(self._blocks) > self._max_blocks:
+            self._blocks.popitem(last=False)
+
+    def longest_match(self, blocks: Sequence[int], replicas: Iterable[str]) -> tuple[int, set[str], bool]:
+        """(blocks matched, the replicas among `replicas` that hold all of them, whether other prompts branched
+        from the last of them); (0, set(), False) for no match."""
+        holders, depth, shared = set(replicas), 0, False
+        for block in blocks:
+            entry = self._blocks.get(block)
+            live = holders & entry.owners if entry is not None else set()
             if not live:
                 break
-            holders, depth = live, depth + 1
-        return depth, holders if depth else set()
+            holders, depth, shared = live, depth + 1, entry.is_shared
+        return (depth, holders, shared) if depth else (0, set(), False)
 
     def forget(self, replica: str) -> None:
         """A replica is gone: it holds nothing any more."""
-        for block in [b for b, owners in self._owners.items() if replica in owners]:
-            owners = self._owners[block]
+        for block in [b for b, entry in self._blocks.items() if replica in entry.owners]:
+            owners = self._blocks[block].owners
             owners.discard(replica)
             if not owners:
-                del self._owners[block]
+                del self._blocks[block]
 
 
 class FirstTokensRing:
@@ -125,32 +165,41 @@ class FirstTokensRing:
 class RoutePolicy:
     """Ranks replicas for a request by `routing`; learns from every routed request (record)."""
 
-    def __init__(self, routing: Routing = Routing.PREFIX) -> None:
+    def __init__(self, routing: Routing = Routing.PREFIX, imbalance: int = DEFAULT_IMBALANCE) -> None:
         self.routing = Routing(routing)
+        self.imbalance = imbalance
         self.table = PrefixTable()
         self._ring = FirstTokensRing()
         self._ring_members: frozenset[str] = frozenset()
         self._sessions: OrderedDict[str, str] = OrderedDict()
 
-    def rank(self, key: RouteKey | None, replicas: Sequence[str]) -> list[list[str]]:
-        """[preferred replicas, the others] (or [all] with no preference); each rank in `replicas` order."""
-        home = self._home(key, replicas) if key is not None else set()
+    def rank(self, key: RouteKey | None, replicas: Sequence[str],
+             in_flight: Mapping[str, int] | None = None) -> list[list[str]]:
+        """[preferred replicas, the others] (or [all] with no preference); each rank in `replicas` order.
+        `in_flight`: requests each replica is answering (missing: none)."""
+        home, is_shared = self._home(key, replicas) if key is not None else (set(), False)
+        if home and is_shared and in_flight is not None:
+            least = min(in_flight.get(r, 0) for r in replicas)
+            if min(in_flight.get(r, 0) for r in home) - least > self.imbalance:
+                home = set()
         if not home:
             return [list(replicas)]
         return [[r for r in replicas if r in home], [r for r in replicas if r not in home]]
 
-    def _home(self, key: RouteKey, replicas: Sequence[str]) -> set[str]:
+    def _home(self, key: RouteKey, replicas: Sequence[str]) -> tuple[set[str], bool]:
+        """(the replicas the request belongs on, whether that is only for a prefix other prompts share)."""
         session_home = self._sessions.get(key.session_id) if key.session_id is not None else None
         if session_home in replicas:
-            return {session_home}
+            return {session_home}, False
         if self.routing is Routing.FIRST_TOKENS:
             if key.head is None:
-                return set()
+                return set(), False
             if self._ring_members != frozenset(replicas):
                 self._ring_members = frozenset(replicas)
                 self._ring.update(replicas)
-            return {self._ring.lookup(key.head)}
-        return self.table.longest_match(key.blocks, replicas)[1]
+            return {self._ring.lookup(key.head)}, False
+        _, holders, is_shared = self.table.longest_match(key.blocks, replicas)
+        return holders, is_shared
 
     def record(self, key: RouteKey | None, replica: str) -> None:
         """`replica` took the request: its prompt's blocks (and session) are there now."""
