@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -36,6 +39,32 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.mark.slow  # about 40 s on 2 cores: a Ray cluster of its own
+def test_serve_ray_serves_until_signalled_then_exits_0(tiny_artifact):
+    """The command: a cluster of its own, the ready line once its replica has loaded, the server's answers,
+    and SIGINT shuts it down. (First in the module: before the module's own cluster starts.)"""
+    port = _free_port()
+    command = [sys.executable, "-m", "pt2serve.cli", "serve-ray", str(tiny_artifact), "--replicas", "1",
+               "--port", str(port), "--threads", "1", "--model-name", "cli-model"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 240
+        while not lines or "(ready)" not in lines[-1]:
+            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)[-3000:]
+            lines.append(process.stdout.readline())
+        assert f"serving cli-model at http://127.0.0.1:{port}/v1 with 1 replica (ready)" in lines[-1]
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "cli-model", "prompt": "hi",
+                                                                            "max_tokens": 3}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=120) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +237,7 @@ def test_killing_a_replica_mid_load_loses_no_request(two_replicas):
     assert all(outcome in ("complete", "cut") for outcome in outcomes)
     assert outcomes.count("complete") >= 12  # every non-streamed one at least
     cut = outcomes.count("cut")
+    print(f"killed {killed}: {after['retries'] - before['retries']:.0f} requests sent again, {cut} streams cut")
     assert after["lost"] - before["lost"] == cut  # no request lost but the streams cut
     # The kill hit requests: some were sent again (those it held before their first bytes), or cut.
     assert after["retries"] - before["retries"] + cut >= 1, (killed, outcomes)

@@ -290,3 +290,12 @@ def test_serve_ray_refuses_bad_flags_before_starting_anything(tiny_artifact, arg
         pytest.importorskip("ray")  # checked by build_app, which needs Ray
     result = CliRunner().invoke(app, ["serve-ray", str(tiny_artifact), *args])
     assert result.exit_code != 0 and message in result.output, result.output
+
+
+def test_the_server_keeps_asyncios_loop_where_the_ray_extra_brings_uvloop(tiny_app):
+    """ray[serve] installs uvloop, which uvicorn's "auto" loop would take; under it the connection budget
+    (connections.py) did not close the longest-waiting connection past max_connections."""
+    from pt2serve.serve.connections import uvicorn_config
+
+    app, _ = tiny_app
+    assert uvicorn_config(app).loop == "asyncio"

@@ -106,16 +106,21 @@ def serve_ray_command(
     except Pt2ServeError as err:
         fail(str(err))
 
-    ray.init(address=address, namespace=APP_NAME, log_to_driver=False)
+    # A cluster of this machine alone talks over the loopback interface only.
+    local = {"_node_ip_address": "127.0.0.1"} if address is None else {}
+    ray.init(address=address, namespace=APP_NAME, log_to_driver=False, **local)
     serve.start(http_options={"host": host, "port": port})
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.run(application, name=APP_NAME, route_prefix="/")
-        count = f"{cluster.autoscale[0]}-{cluster.autoscale[1]}" if cluster.autoscale else str(cluster.replicas)
+        if cluster.autoscale is not None:
+            replicas_text = f"{cluster.autoscale[0]} to {cluster.autoscale[1]} replicas"
+        else:
+            replicas_text = f"{cluster.replicas} replica{'s' if cluster.replicas > 1 else ''}"
         shown = f"[{host}]" if ":" in host else host
-        print(f"serving {server.model_name} at http://{shown}:{port}/v1 from {count} replicas (ready)", flush=True)
+        print(f"serving {server.model_name} at http://{shown}:{port}/v1 with {replicas_text} (ready)", flush=True)
         stop.wait()
     finally:
         serve.shutdown()
