@@ -70,7 +70,9 @@ def test_serve_ray_serves_until_signalled_then_exits_0(tiny_artifact):
 @pytest.fixture(scope="module")
 def ray_url():
     # Replicas report their load every half second (Ray's default is 10 s), so the autoscaling test is short.
-    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    push_interval = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
+    before = os.environ.get(push_interval)
+    os.environ[push_interval] = "0.5"  # read by the cluster's processes, which inherit this environment
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pt2serve-tests",
              _node_ip_address="127.0.0.1")
     port = _free_port()
@@ -78,6 +80,10 @@ def ray_url():
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+    if before is None:
+        os.environ.pop(push_interval)
+    else:
+        os.environ[push_interval] = before
 
 
 def _app(artifact, cluster: ClusterConfig):
