@@ -1,4 +1,4 @@
-"""The `pt2serve` command line: export, inspect, generate (and serve-artifact, bench)."""
+"""The `pt2serve` command line: export, inspect, generate (and serve-artifact, serve-ray, bench)."""
 
 from __future__ import annotations
 
@@ -303,10 +303,12 @@ def generate_command(
 def _register_subcommands() -> None:
     # Each module keeps heavy imports inside its command, so `pt2serve --help` stays quick.
     from pt2serve.bench.command import bench_command
+    from pt2serve.cluster.command import serve_ray_command
     from pt2serve.serve.command import serve_artifact_command
 
     app.command("serve-artifact")(serve_artifact_command)
     app.command("bench")(bench_command)
+    app.command("serve-ray")(serve_ray_command)
 
 
 _register_subcommands()

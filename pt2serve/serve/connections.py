@@ -36,7 +36,10 @@ def uvicorn_config(app: FastAPI, **options: Any) -> uvicorn.Config:
     config = app.state.pt2serve.config
     guarded = type("GuardedProtocol", (_GuardedProtocol,), {"header_timeout_s": config.header_timeout_s,
                                                             "max_connections": config.max_connections})
-    return uvicorn.Config(app, http=guarded, timeout_keep_alive=KEEP_ALIVE_S, server_header=False, **options)
+    # asyncio's loop, even where uvloop is installed (uvicorn's "auto" takes it; ray[serve] brings it): under
+    # uvloop the longest-waiting connection was not closed past max_connections.
+    return uvicorn.Config(app, http=guarded, loop="asyncio", timeout_keep_alive=KEEP_ALIVE_S, server_header=False,
+                          **options)
 
 
 class _GuardedProtocol(H11Protocol):
