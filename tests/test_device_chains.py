@@ -45,10 +45,11 @@ def test_every_step_is_in_a_chain(driver):
 def test_the_long_chain_runs_the_long_context_benchmarks(driver):
     _, steps, chains = driver.load()
     plan = driver.plan(["long"], steps, chains)
-    assert [p.step.name for p in plan.steps] == ["export", "long-sweep", "long-requests"]
-    assert plan.steps[0].env == {"ART": "/tmp/long.pt2", "PRESET": "llama-3.1-8b"}  # the default max context
-    assert "--mode sweep --context 4000,16000,32000" in plan.steps[1].step.run
-    assert "--prompt-tokens 8192" in plan.steps[2].step.run and "--prompt-tokens 32768" in plan.steps[2].step.run
+    assert [p.step.name for p in plan.steps] == ["export", "long-host", "long-sweep", "long-prefill"]
+    # The default max context: the export names no --max-context.
+    assert plan.steps[0].env == {"ART": "/tmp/long.pt2", "PRESET": "llama-3.1-8b", "FORWARD_SIZES": "1,32,64"}
+    assert "--mode sweep --tokens 1,32,64 --context 512,4000" in plan.steps[2].step.run
+    assert "--prompt-tokens 8192" in plan.steps[3].step.run and "--prompt-tokens 32000" in plan.steps[3].step.run
 
 
 def test_dry_run_prints_every_step_and_runs_nothing(tmp_path):
