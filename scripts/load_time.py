@@ -25,7 +25,10 @@ import numpy as np
 import torch
 
 from pt2serve.contract import WEIGHTS_PREFIX, ContentHasher, content_hash
-from pt2serve.runtime.artifact import _DTYPES, Metadata, _locate_weights, _load_weights, read_metadata
+from pt2serve.runtime.archive import locate_weights as _locate_weights
+from pt2serve.runtime.artifact import read_metadata
+from pt2serve.runtime.metadata import WEIGHT_DTYPES as _DTYPES, Metadata
+from pt2serve.runtime.weights import load_weights as _load_weights
 
 CONFIG = {"architecture": "synthetic", "hidden_size": 1024}
 

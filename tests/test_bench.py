@@ -31,7 +31,8 @@ from pt2serve.runtime.artifact import load_artifact, read_metadata
 from pt2serve.runtime.engine import artifact_tokenizer
 from pt2serve.model.presets import toy_greedy_continuation, toy_successor
 from pt2serve.runtime.executor import Executor, ExecutorConfig
-from pt2serve.runtime.runner import Runner, RunnerConfig, StepRecord
+from pt2serve.runtime.pipeline import StepRecord
+from pt2serve.runtime.runner import Runner, RunnerConfig
 from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.runtime.step import Chunk
 

@@ -15,8 +15,8 @@ import random
 import openai
 
 from pt2serve.model.presets import byte_tokenizer_files, toy_greedy_continuation
+from pt2serve.runtime.events import StreamEvent
 from pt2serve.runtime.request import FinishReason
-from pt2serve.runtime.runner import StreamEvent
 from pt2serve.serve.completions import _stream
 from pt2serve.serve.logprob_format import TokenTexts
 from pt2serve.serve.openai_format import CompletionFormat

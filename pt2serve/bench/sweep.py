@@ -43,9 +43,11 @@ from pt2serve.bench.stats import median
 from pt2serve.bench.timing import StepTiming, TimedExecutor
 from pt2serve.contract import is_fp8
 from pt2serve.errors import Pt2ServeError
+from pt2serve.runtime.events import StreamEvent
 from pt2serve.runtime.executor import Executor, ExecutorConfig
+from pt2serve.runtime.pipeline import StepRecord
 from pt2serve.runtime.request import FinishReason
-from pt2serve.runtime.runner import Runner, RunnerConfig, StepRecord, StreamEvent
+from pt2serve.runtime.runner import Runner, RunnerConfig
 from pt2serve.tokenizer import Tokenizer
 
 Progress = Callable[[str], None]

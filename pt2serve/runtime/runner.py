@@ -2,16 +2,12 @@
 
 Callers on any thread `submit()` requests and read events from the returned handle (or get them through
 a callback, e.g. into an asyncio loop). Everything that touches the scheduler, cells or device runs on
-the engine thread; other threads only enqueue commands.
+the engine thread; other threads only enqueue commands. The engine keeps one step in flight (pipeline.py)
+and turns each committed token into its request's event (events.py).
 
 A request may name a `parent` with the same prompt (the choices of an `n > 1` request): it is held until
 the parent's prompt is computed (scheduled: stream order puts its K/V writes first), then starts from the
 parent's cells for all its prompt but the last token, which it computes itself for its own first sample.
-
-One step stays in flight: the engine plans and launches step n+1, then waits for step n's ids and commits
-them (detokenizes, checks stop strings, delivers events) while step n+1 runs on the device. The device
-never waits for the host's per-step work; sampled ids are read one step late, so a request that stops at
-step n still had a decode queued in step n+1, whose result is dropped.
 
 Speculation (RunnerConfig.speculate, or a drafter handed in): each eligible request verifies up to
 num_draft_tokens drafted tokens per step (scheduler.py, verify.py); a step may then bring several tokens of
@@ -25,23 +21,21 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable
 
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.dflash import DFlashDrafter
 from pt2serve.runtime.drafter import Drafter, NgramDrafter, Speculation
-from pt2serve.runtime.executor import CallRecord, DeferredSampling, Executor, PendingStep, StepResult
-from pt2serve.runtime.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher
-from pt2serve.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from pt2serve.runtime.request import FinishReason, Request, RequestSpec, RequestStats
+from pt2serve.runtime.events import Completion, Delivery, RequestHandle, StreamEvent
+from pt2serve.runtime.executor import Executor
+from pt2serve.runtime.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
+from pt2serve.runtime.logprobs import MAX_TOP_LOGPROBS
+from pt2serve.runtime.pipeline import InFlight, StepPipeline, StepRecord
+from pt2serve.runtime.request import FinishReason, Request, RequestSpec
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
-from pt2serve.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
-from pt2serve.runtime.stop import StopStringMatcher
+from pt2serve.runtime.scheduler import Scheduler, SchedulerConfig
 from pt2serve.tokenizer import IncrementalDecoder, Tokenizer
-
-STEP_HISTORY = 100_000  # step records kept for inspection (tests, benchmarks)
-
 
 DEFAULT_TOKEN_BUDGET = 2048
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -75,45 +69,6 @@ class RunnerConfig:
             raise Pt2ServeError(f"num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
 
 
-@dataclass(frozen=True)
-class StreamEvent:
-    token_id: int | None  # None on a final event that carries no token (cancel, error)
-    text: str  # the detokenized text this event adds ("" without a tokenizer)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    logprob: TokenLogprob | None = None  # the token's, when the request asked for logprobs
-    # On the first token of a request that asked for prompt logprobs: the prompt's tokens after the first.
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Completion:
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    stats: RequestStats
-    error: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    step: int
-    num_tokens: int
-    num_decode: int
-    calls: tuple[CallRecord, ...]
-    seconds: float  # from launch to its ids on the host (with a step in flight, includes waiting for it)
-    device_seconds: float | None  # its own time on the GPU (None on the CPU)
-
-
-@dataclass(frozen=True)
-class _InFlight:
-    plan: StepPlan
-    pending: PendingStep | DeferredSampling
-    launched: float  # perf_counter at launch
-
-
 @dataclass
 class RunnerStats:
     num_waiting: int = 0
@@ -129,72 +84,6 @@ class RunnerStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
-
-
-class RequestHandle:
-    """A submitted request: iterate its events, or wait for the whole completion."""
-
-    def __init__(self, request_id: int, prompt_ids: list[int], on_event: Callable[[StreamEvent], None] | None):
-        self.id = request_id
-        self.prompt_ids = prompt_ids
-        self._events: queue.SimpleQueue[StreamEvent] = queue.SimpleQueue()
-        self._on_event = on_event
-        self._done = threading.Event()
-        self._token_ids: list[int] = []
-        self._text: list[str] = []
-        self._logprobs: list[TokenLogprob] = []
-        self._prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-        self._finish: StreamEvent | None = None
-        self.stats = RequestStats(prompt_tokens=len(prompt_ids))
-
-    def _deliver(self, event: StreamEvent) -> None:
-        if event.logprob is not None:
-            self._logprobs.append(event.logprob)
-        if event.prompt_logprobs is not None:
-            self._prompt_logprobs = event.prompt_logprobs
-        if event.token_id is not None:
-            self._token_ids.append(event.token_id)
-        self._text.append(event.text)
-        if event.finish_reason is not None:
-            self._finish = event
-            self._done.set()
-        if self._on_event is not None:
-            self._on_event(event)
-        else:
-            self._events.put(event)
-
-    @property
-    def is_finished(self) -> bool:
-        return self._done.is_set()
-
-    def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
-        """Events as they come, ending with the one that carries the finish reason."""
-        while True:
-            event = self._events.get(timeout=timeout)
-            yield event
-            if event.finish_reason is not None:
-                return
-
-    def result(self, timeout: float | None = None) -> Completion:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
-        assert self._finish is not None
-        return Completion(list(self._token_ids), "".join(self._text), self._finish.finish_reason,
-                          self.stats, self._finish.error, list(self._logprobs) if self._logprobs else None,
-                          self._prompt_logprobs)
-
-
-@dataclass
-class _Live:
-    """Engine-thread bookkeeping for one request."""
-
-    handle: RequestHandle
-    decoder: IncrementalDecoder | None
-    stops: StopStringMatcher
-    emitted_text: list[str] = field(default_factory=list)
-    # Scored prompt positions (a recomputed prompt scores them again, to the same values), until the first token.
-    prompt_logprobs: dict[int, TokenLogprob] | None = None
-    matcher: Matcher | None = None  # the request's place in its grammar, fed every committed token
 
 
 class Runner:
@@ -240,12 +129,12 @@ class Runner:
         reserve = executor.device.type == "cuda" if config.reserve_widest_step is None else config.reserve_widest_step
         max_decodes = self.scheduler.config.max_decode_sequences
         self.widest_step_bytes = executor.reserve_step(budget, min(budget, max_decodes)) if reserve else 0
-        self.step_history: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.stats = RunnerStats(cells_free=executor.allocator.num_free)
         self._ids = itertools.count(1)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._live: dict[int, _Live] = {}
+        self._delivery = Delivery(self.scheduler, self._on_finished)
+        self._pipeline = StepPipeline(self.scheduler, executor, self._delivery)
         self._held: dict[int, tuple[int, Request]] = {}  # request id -> (parent id, request) until it forks
         self._num_active = 0
         self._active_lock = threading.Lock()
@@ -259,6 +148,11 @@ class Runner:
     def max_sequence_tokens(self) -> int:
         """The most tokens (prompt + generated) one request may reach: the context, or the pool if smaller."""
         return min(self.max_context, self.executor.allocator.capacity)
+
+    @property
+    def step_history(self) -> deque[StepRecord]:
+        """The records of the last steps (pipeline.STEP_HISTORY of them), for tests and benchmarks."""
+        return self._pipeline.history
 
     @property
     def num_active(self) -> int:
@@ -373,26 +267,26 @@ class Runner:
     # -- engine thread ---------------------------------------------------------------------------------
 
     def _engine_loop(self) -> None:
-        in_flight: _InFlight | None = None
+        in_flight: InFlight | None = None
         while True:
             self._drain_inbox()
             self._update_stats()
             if self._stopping:
                 if in_flight is not None:
-                    self._complete(in_flight)
+                    self._pipeline.complete(in_flight)
                 self._shutdown()
                 return
             launched = self._launch_next() if self.scheduler.has_work() or self._held else None
             if in_flight is not None:
-                self._complete(in_flight)  # while `launched` runs on the device
+                self._pipeline.complete(in_flight)  # while `launched` runs on the device
             elif launched is None:
                 if self.scheduler.has_work():
                     time.sleep(0.001)  # nothing fits now (pool full of in-flight work); let commands arrive
                 else:
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
-            if launched is not None and isinstance(launched.pending, DeferredSampling):
-                launched = self._sample_constrained(launched)  # its masks follow the ids just committed
+            if launched is not None and launched.awaits_sampling:
+                launched = self._pipeline.sample_constrained(launched)  # its masks follow the ids just committed
             in_flight = launched
 
     def _drain_inbox(self) -> None:
@@ -414,10 +308,8 @@ class Runner:
         request = Request(handle.id, spec, list(spec.prompt_ids), RequestRandom(spec.sampling.seed))
         request.stats = handle.stats
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
-        self._live[handle.id] = _Live(handle, decoder, StopStringMatcher(spec.stop_strings),
-                                      prompt_logprobs={} if spec.prompt_logprobs is not None else None,
-                                      matcher=Matcher(spec.grammar) if spec.grammar is not None else None)
-        if parent_id is not None and parent_id in self._live:
+        self._delivery.add(handle, spec, decoder)
+        if parent_id is not None and parent_id in self._delivery:
             self._held[handle.id] = (parent_id, request)
         else:
             self.scheduler.add(request)
@@ -433,142 +325,22 @@ class Runner:
                 del self._held[request_id]
                 self.scheduler.fork(request, parent)
 
-    def _launch_next(self) -> _InFlight | None:
-        """Plan the next step and queue it on the device; None when nothing could be scheduled."""
-        plan = self.scheduler.plan()
-        launched = None
-        if plan.chunks:
-            started = time.perf_counter()
-            try:
-                launched = _InFlight(plan, self.executor.launch(self.scheduler.executor_chunks(plan)), started)
-            except Exception as err:  # a failing step fails its requests, not the engine
-                self._fail_step(plan, err)
+    def _launch_next(self) -> InFlight | None:
+        """Plan and launch the next step (None when nothing could be scheduled), then fork what it allows."""
+        launched = self._pipeline.launch()
         if self._held:  # after the launch: a parent whose prompt step failed is gone, not forked from
             self._fork_held()
         return launched
 
-    def _sample_constrained(self, step: _InFlight) -> _InFlight | None:
-        """Queue the sampling of a step with grammar-constrained rows, each masked by its matcher as it stands
-        after every token committed so far (which is every token before this sample)."""
-        chunks = step.plan.chunks
-
-        def fill(index: int, bitmask, row: int) -> None:
-            live = self._live.get(chunks[index].request_id)
-            if live is not None and live.matcher is not None:
-                live.matcher.fill_row(bitmask, row)
-
-        try:
-            pending = step.pending.sample(fill)
-        except Exception as err:
-            self._fail_step(step.plan, err)
-            return None
-        return _InFlight(step.plan, pending, step.launched)
-
-    def _complete(self, step: _InFlight) -> None:
-        """Wait for a launched step's ids, record it and commit them."""
-        try:
-            result = step.pending.result()
-        except Exception as err:
-            self._fail_step(step.plan, err)
-            return
-        seconds = time.perf_counter() - step.launched
-        plan = step.plan
-        self.step_history.append(
-            StepRecord(plan.step, plan.num_tokens, plan.num_decode, result.calls, seconds, result.device_seconds)
-        )
-        logprobs = self._collect_logprobs(plan, result)
-        for event in self.scheduler.commit(plan, result.tokens, result.verified):
-            if event.request_id in self._live:  # (not when an earlier token of the same step ended it)
-                self._on_token(event.request_id, event.token, event.finish_reason, logprobs.get(event.request_id))
-
-    def _collect_logprobs(self, plan: StepPlan, result: StepResult) -> dict[int, TokenLogprob]:
-        """Keep the step's scored prompt positions; return its sampled tokens' log probabilities by request."""
-        sampled = {}
-        for chunk, rows in zip(plan.chunks, result.prompt_logprobs):
-            live = self._live.get(chunk.request_id)
-            if rows and live is not None and live.prompt_logprobs is not None:
-                live.prompt_logprobs.update((chunk.start + k, row) for k, row in enumerate(rows))
-        for chunk, logprob in zip(plan.chunks, result.logprobs):
-            if logprob is not None:
-                sampled[chunk.request_id] = logprob
-        return sampled
-
-    def _fail_step(self, plan: StepPlan, err: Exception) -> None:
-        """A step failed on the device: exactly its requests end with the error."""
-        message = f"{type(err).__name__}: {err}"
-        for request_id in self.scheduler.fail(plan, message):
-            self._emit_final(request_id, FinishReason.ERROR, message)
-
-    def _on_token(self, request_id: int, token: int, finish_reason: FinishReason | None,
-                  logprob: TokenLogprob | None = None) -> None:
-        live = self._live[request_id]
-        if live.matcher is not None:
-            if not live.matcher.accept_token(token):
-                self._fail_request(request_id, token, f"token {token} does not follow the request's grammar")
-                return
-            if live.matcher.is_terminated() and finish_reason is None:  # the output is complete
-                self.scheduler.finish(request_id, FinishReason.STOP)
-                finish_reason = FinishReason.STOP
-        try:
-            text, hit_stop = self._text(live, token, is_final=finish_reason is not None)
-        except Exception as err:  # a failing tokenizer fails its own request, not the engine
-            self._fail_request(request_id, token, f"detokenizing failed: {type(err).__name__}: {err}")
-            return
-        if hit_stop and finish_reason is None:
-            self.scheduler.finish(request_id, FinishReason.STOP)
-        if hit_stop:  # also when the token that ends the request by length completes a stop string
-            finish_reason = FinishReason.STOP
-        prompt_logprobs = None
-        if live.prompt_logprobs is not None:  # the first token: every prompt position is scored by now
-            scored = live.prompt_logprobs
-            prompt_logprobs = tuple(scored[p] for p in range(len(live.handle.prompt_ids) - 1))
-            live.prompt_logprobs = None
-        self._deliver(request_id, StreamEvent(token, text, finish_reason, None, logprob, prompt_logprobs))
-
-    @staticmethod
-    def _text(live: _Live, token: int | None, is_final: bool) -> tuple[str, bool]:
-        """The text a token adds (at the end, with all that was held back) and whether a stop string hit."""
-        text = ""
-        if live.decoder is not None:
-            if token is not None:
-                text = live.decoder.push(token)
-            if is_final:
-                text += live.decoder.flush()
-        return live.stops.feed(text, is_final)
-
     def _finish(self, request_id: int, reason: FinishReason, error: str | None = None) -> None:
         if self._held.pop(request_id, None) is not None or self.scheduler.finish(request_id, reason) is not None:
-            self._emit_final(request_id, reason, error)
+            self._delivery.emit_final(request_id, reason, error)
 
-    def _emit_final(self, request_id: int, reason: FinishReason, error: str | None) -> None:
-        live = self._live.get(request_id)
-        if live is None:
-            return
-        try:
-            text, _ = self._text(live, None, is_final=True)
-        except Exception as err:
-            self._fail_request(request_id, None, f"detokenizing failed: {type(err).__name__}: {err}")
-            return
-        self._deliver(request_id, StreamEvent(None, text, reason, error))
-
-    def _fail_request(self, request_id: int, token: int | None, error: str) -> None:
-        """End one request with an error that is its own (its tokenizer or callback failed)."""
-        self.scheduler.finish(request_id, FinishReason.ERROR)  # a no-op when it already finished
-        if request_id in self._live:
-            self._deliver(request_id, StreamEvent(token, "", FinishReason.ERROR, error))
-
-    def _deliver(self, request_id: int, event: StreamEvent) -> None:
-        live = self._live[request_id]
-        if event.finish_reason is not None:
-            del self._live[request_id]
-            self.executor.logits_processor.release(request_id)
-            with self._active_lock:
-                self._num_active -= 1
-        try:
-            live.handle._deliver(event)
-        except Exception as err:  # a caller's callback that raises ends its own request, not the engine
-            if event.finish_reason is None:
-                self._fail_request(request_id, None, f"the event callback raised {type(err).__name__}: {err}")
+    def _on_finished(self, request_id: int) -> None:
+        """A request's final event is made: release its sampling state; it no longer counts as active."""
+        self.executor.logits_processor.release(request_id)
+        with self._active_lock:
+            self._num_active -= 1
 
     def _update_stats(self) -> None:
         allocator = self.scheduler.allocator
@@ -588,7 +360,7 @@ class Runner:
         )
 
     def _shutdown(self) -> None:
-        for request_id in list(self._live):
+        for request_id in self._delivery.request_ids():
             self._finish(request_id, FinishReason.CANCELLED)
         self.scheduler.prefix_cache.clear()  # the pool is left empty for whoever uses the executor next
         self._update_stats()

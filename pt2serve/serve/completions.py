@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from pt2serve.errors import Pt2ServeError
-from pt2serve.runtime.runner import Runner, StreamEvent
+from pt2serve.runtime.events import StreamEvent
+from pt2serve.runtime.runner import Runner
 from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.errors import ApiError, bad_request

@@ -13,9 +13,10 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
+from pt2serve.runtime.events import RequestHandle, StreamEvent
 from pt2serve.runtime.logprobs import TokenLogprob
 from pt2serve.runtime.request import FinishReason
-from pt2serve.runtime.runner import RequestHandle, Runner, StreamEvent
+from pt2serve.runtime.runner import Runner
 from pt2serve.runtime.sampling import SamplingParams
 from pt2serve.serve.metrics import ServerMetrics
 from pt2serve.serve.openai_format import SpeculationUsage, Usage

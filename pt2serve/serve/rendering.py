@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pt2serve.runtime.events import StreamEvent
 from pt2serve.runtime.logprobs import TokenLogprob
-from pt2serve.runtime.runner import StreamEvent
 from pt2serve.serve.generation import Generation
 from pt2serve.serve.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from pt2serve.serve.openai_format import ChatFormat, Choice, CompletionFormat
