@@ -1,6 +1,7 @@
 """Built-in models whose weights are generated from a fixed seed, so the project runs with no download.
 
-- tiny: a few small layers and a byte-level tokenizer, for CPU demos and tests.
+- tiny: a few small layers and a byte-level tokenizer, for CPU demos.
+- tiny-random: tiny's layers, weights and tokenizer under a name that keeps them random, for CPU tests.
 - toy-greedy: weights built so that each token strongly predicts a fixed successor (see `toy_successor`),
   so greedy output is known in advance and exact token equality can be asserted anywhere.
 - toy-greedy-8b: llama-3.1-8b's shape with toy-greedy's design (token ids only): the 8B's cost per step with
@@ -44,6 +45,10 @@ CONFIGS: dict[str, ModelConfig] = {
         architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=160,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
     ),
+    "tiny-random": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=160,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+    ),
     "toy-greedy": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB_SIZE, hidden_size=BYTE_VOCAB_SIZE + 62,
         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -77,7 +82,7 @@ CONFIGS: dict[str, ModelConfig] = {
 CONFIGS["toy-greedy-8b"] = CONFIGS["llama-3.1-8b"]
 CONFIGS["toy-recall-8b"] = CONFIGS["llama-3.1-8b"]
 PRESET_NAMES = tuple(CONFIGS)
-_WITH_BYTE_TOKENIZER = ("tiny", "toy-greedy", "toy-recall")
+_WITH_BYTE_TOKENIZER = ("tiny", "tiny-random", "toy-greedy", "toy-recall")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """On a GPU: the API features computed on the device are right under CUDA graphs and one step in flight, and
 what each costs per step.
 
-Usage: python scripts/device/api_check.py ARTIFACT.pt2 (a tiny export for cuda, --dtype fp32)
+Usage: python scripts/device/api_check.py ARTIFACT.pt2 (a tiny-random export for cuda, --dtype fp32)
 
 Checks (each prints ok or what differed):
   logprobs      sampled and echoed-prompt log probabilities equal log_softmax of the eager model's logits
@@ -127,7 +127,7 @@ def step_ms(runner, **kwargs) -> float:
 def main() -> None:
     artifact = sys.argv[1]
     runner = open_runner(artifact, runner_config=RunnerConfig(token_budget=256))
-    model = build_preset_model("tiny", torch.float32, device=runner.executor.device).eval()
+    model = build_preset_model("tiny-random", torch.float32, device=runner.executor.device).eval()
     results = {
         "logprobs": check_logprobs(runner, model),
         "penalties": check_penalties(runner, model),

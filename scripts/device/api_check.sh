@@ -5,7 +5,7 @@
 set -euo pipefail
 export CXX=/usr/bin/g++   # the image's default g++ carries its own libstdc++, and loading then segfaults
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-ARTIFACT=/tmp/tiny-fp32.pt2
-python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache --preset tiny --dtype fp32 \
+ARTIFACT=/tmp/tiny-random-fp32.pt2
+python3 -m pt2serve.cli export --backend cuda --use-offgraph-kv-cache --preset tiny-random --dtype fp32 \
   --max-context 256 --max-step-tokens 128 --max-cells 8192 --jobs 8 -o "$ARTIFACT"
 python3 scripts/device/api_check.py "$ARTIFACT"

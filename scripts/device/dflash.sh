@@ -9,7 +9,7 @@
 # the greedy tokens unchanged: random weights' logits in bf16 tie closely enough that the verify step's width
 # alone flips some (llama-3.1-8b did, 2026-12-02). After the export it keeps to RUN_LIMIT_S (170 s);
 # EXPORT_ONLY=1 stops after the export.
-# CPU: PRESET=tiny BACKEND=cpu DRAFT_LAYERS=1 scripts/device/dflash.sh
+# CPU: PRESET=tiny-random BACKEND=cpu DRAFT_LAYERS=1 scripts/device/dflash.sh
 set -uo pipefail
 export CXX=/usr/bin/g++   # the image's default g++ carries its own libstdc++, and loading then segfaults
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

@@ -4,7 +4,7 @@
 # requests` in process, then through `serve-artifact` with `bench --url`. With BASELINE=DIR (another
 # checkout's root, e.g. `git archive REV pt2serve | tar -x -C DIR`) the same two runs with that code follow,
 # on the same artifact. Table last: output tok/s, TTFT and TPOT p50, and HTTP / in process.
-# The server needs the wheels in .whl/ (see serving_8b.sh). On the CPU: BACKEND=cpu PRESET=tiny.
+# The server needs the wheels in .whl/ (see serving_8b.sh). On the CPU: BACKEND=cpu PRESET=tiny-random.
 set -uo pipefail
 export CXX=/usr/bin/g++   # the image's default g++ carries its own libstdc++, and loading then segfaults
 export PYTHONUNBUFFERED=1
