@@ -104,7 +104,7 @@ def fake_tuning_times(monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory) -> Path:
-    return exported("tiny", lambda path: export_options_for_tests("tiny", path), tmp_path_factory)
+    return exported("tiny-random", lambda path: export_options_for_tests("tiny-random", path), tmp_path_factory)
 
 
 # toy-greedy in FP8 throughout: e4m3 linear layers and LM head, e4m3 KV cells; one static width (decodes pad
@@ -210,8 +210,8 @@ def chunked_client(chunked_url):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    """The tiny preset's eager model (the weights its exports hold), in fp32."""
-    return build_preset_model("tiny", torch.float32).eval()
+    """The tiny-random preset's eager model (the weights its exports hold), in fp32."""
+    return build_preset_model("tiny-random", torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ def test_visibility_follows_sequences_positions_and_empty_rows():
 
 
 def test_a_row_that_sees_nothing_writes_no_nan_and_leaves_others_alone():
-    model = build_preset_model("tiny", torch.float32).eval()
+    model = build_preset_model("tiny-random", torch.float32).eval()
     prompt = [256, 5, 6, 7]
     reference = EagerSequence(model, 16).extend(prompt)[-1]
     cfg = model.config

@@ -275,8 +275,8 @@ def run_model(model, step, pools):
 
 @pytest.fixture(scope="module")
 def tiny_models():
-    masked = load_model(None, "tiny", torch.float32, "cpu", AttentionImpl.MASKED).model
-    kernel = load_model(None, "tiny", torch.float32, "cpu", AttentionImpl.KERNEL).model
+    masked = load_model(None, "tiny-random", torch.float32, "cpu", AttentionImpl.MASKED).model
+    kernel = load_model(None, "tiny-random", torch.float32, "cpu", AttentionImpl.KERNEL).model
     return masked, kernel
 
 
@@ -295,7 +295,7 @@ import sys, torch
 from pt2serve.export.methods import MethodSpec, trace_forward
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
-model = load_model(None, "tiny", torch.float32, "cpu", AttentionImpl.KERNEL).model
+model = load_model(None, "tiny-random", torch.float32, "cpu", AttentionImpl.KERNEL).model
 for spec in (MethodSpec("forward_64", 64, 300), MethodSpec("forward_others")):
     program, _ = trace_forward(model, spec, max_step_tokens=128, max_cells=512)
     torch.export.save(program, f"{sys.argv[1]}/{spec.name}.pt2")
@@ -304,7 +304,7 @@ for spec in (MethodSpec("forward_64", 64, 300), MethodSpec("forward_others")):
 
 @pytest.fixture(scope="module")
 def exported_with_kernel(tmp_path_factory) -> Path:
-    """forward_64 and forward_others of `tiny` with the kernel, traced in a process without TRITON_INTERPRET
+    """forward_64 and forward_others of `tiny-random` with the kernel, traced in a process without TRITON_INTERPRET
     (under the interpreter, export would trace into the kernel instead of keeping the operator)."""
     folder = tmp_path_factory.mktemp("kernel-programs")
     run_without_interpreter(EXPORT_SCRIPT, str(folder))

@@ -277,6 +277,6 @@ def test_load_model_dispatches(saved):
     assert loaded.quantization_method is None
     assert config.architecture == "LlamaForCausalLM" and tokenizer is None
     assert model.embed_tokens.weight.shape == (300, 64)
-    loaded = load_model(None, "tiny", torch.float32, "cpu")
+    loaded = load_model(None, "tiny-random", torch.float32, "cpu")
     config, tokenizer = loaded.config, loaded.tokenizer
     assert config.vocab_size == 258 and tokenizer is not None and tokenizer.bos_token_id == 256

@@ -194,10 +194,10 @@ LONG_SIZES = (1, 8)
 
 @pytest.fixture(scope="module")
 def long_artifact(tmp_path_factory):
-    """tiny's random weights behind a config of 2 x LONG_CONTEXT positions, exported for CUDA at that whole
+    """tiny-random's weights behind a config of 2 x LONG_CONTEXT positions, exported for CUDA at that whole
     context in fp32, with static widths 1 and 8."""
     root = tmp_path_factory.mktemp("long-checkpoint") / "tiny-long"
-    model = build_preset_model("tiny", torch.float32)
+    model = build_preset_model("tiny-random", torch.float32)
     write_checkpoint(root, dataclasses.replace(model.config, max_position_embeddings=2 * LONG_CONTEXT),
                      hf_tensors(model), None)
 

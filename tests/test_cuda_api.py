@@ -1,4 +1,4 @@
-"""The API features computed on the device, under CUDA graphs and one step in flight, on the tiny preset exported
+"""The API features computed on the device, under CUDA graphs and one step in flight, on the tiny-random preset exported
 for cuda in fp32: logprobs, penalties and logit bias, n > 1 choices, grammar masks; and what each costs a decode
 step of 32 sequences (printed: pytest -rA shows it).
 
@@ -28,7 +28,7 @@ TOLERANCE = 1e-3  # on a log probability
 @pytest.fixture(scope="module")
 def tiny_cuda(tmp_path_factory):
     def options(path):
-        return ExportOptions(backend="cuda", output=path, preset="tiny", dtype="fp32", max_context=TEST_MAX_CONTEXT,
+        return ExportOptions(backend="cuda", output=path, preset="tiny-random", dtype="fp32", max_context=TEST_MAX_CONTEXT,
                              max_step_tokens=TEST_MAX_STEP_TOKENS, max_cells=8192)
 
     return exported("tiny-cuda-fp32", options, tmp_path_factory)
@@ -49,7 +49,7 @@ def runner(tiny_cuda):
 def model(runner):
     from pt2serve.model.presets import build_preset_model
 
-    return build_preset_model("tiny", torch.float32, device=runner.executor.device).eval()
+    return build_preset_model("tiny-random", torch.float32, device=runner.executor.device).eval()
 
 
 def test_logprobs_are_the_eager_models_log_softmax(runner, model):

@@ -19,18 +19,18 @@ from pt2serve.model.dflash import DraftBlockMethod, DraftContextMethod, attach_d
 from pt2serve.model.presets import CONFIGS, build_preset_model
 
 BLOCK = 6
-TAPS = [0, 1]  # the tiny preset has two layers; tapping the last one exercises its after-norm state
+TAPS = [0, 1]  # the tiny-random preset has two layers; tapping the last one exercises its after-norm state
 
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory) -> Path:
-    return write_random_draft(tmp_path_factory.mktemp("draft"), CONFIGS["tiny"], num_layers=2, block_size=BLOCK,
+    return write_random_draft(tmp_path_factory.mktemp("draft"), CONFIGS["tiny-random"], num_layers=2, block_size=BLOCK,
                               target_layer_ids=TAPS, mask_token_id=257, seed=1)
 
 
 @pytest.fixture(scope="module")
 def eager(draft_dir):
-    model = build_preset_model("tiny", torch.float32).eval()
+    model = build_preset_model("tiny-random", torch.float32).eval()
     attach_draft(model, draft_dir)
     return model
 
@@ -147,9 +147,9 @@ def misfit_exports(tmp_path_factory) -> dict[str, tuple[Path, tuple[int, str, st
     for name, (changes, _) in MISFITS.items():
         changes = dict(changes)
         ids = changes.pop("target_layer_ids", TAPS)
-        draft = write_random_draft(folders[name] / "draft", CONFIGS["tiny"], block_size=BLOCK, target_layer_ids=ids,
-                                   **changes)
-        commands.append(["export", "--use-offgraph-kv-cache", "--backend", "cpu", "--preset", "tiny", "--draft",
+        draft = write_random_draft(folders[name] / "draft", CONFIGS["tiny-random"], block_size=BLOCK,
+                                   target_layer_ids=ids, **changes)
+        commands.append(["export", "--use-offgraph-kv-cache", "--backend", "cpu", "--preset", "tiny-random", "--draft",
                          str(draft), "-o", str(folders[name] / "out.pt2"), "--max-context", "64"])
     answers = run_in_one_interpreter(commands)
     return {name: (folders[name], answer) for name, answer in zip(MISFITS, answers)}
@@ -176,11 +176,12 @@ FORWARD_SIZES = (8,)
 @pytest.fixture(scope="module")
 def dflash_artifact(tmp_path_factory, draft_dir) -> Path:
     def options(path: Path) -> ExportOptions:
-        return ExportOptions(backend="cpu", output=path, preset="tiny", dtype="fp32", max_context=TEST_MAX_CONTEXT,
-                             max_step_tokens=TEST_MAX_STEP_TOKENS, max_cells=TEST_MAX_CELLS, jobs=2,
-                             forward_sizes=FORWARD_SIZES, draft=draft_dir, draft_sizes=DRAFT_SIZES)
+        return ExportOptions(backend="cpu", output=path, preset="tiny-random", dtype="fp32",
+                             max_context=TEST_MAX_CONTEXT, max_step_tokens=TEST_MAX_STEP_TOKENS,
+                             max_cells=TEST_MAX_CELLS, jobs=2, forward_sizes=FORWARD_SIZES, draft=draft_dir,
+                             draft_sizes=DRAFT_SIZES)
 
-    return exported("tiny-dflash", options, tmp_path_factory)
+    return exported("tiny-random-dflash", options, tmp_path_factory)
 
 
 def _eager_drafts(model, prompts_and_pending: list[tuple[list[int], int]], num_drafts: int) -> list[list[int]]:

@@ -47,7 +47,7 @@ TOLERANCE = 1e-4
 POOL_CELLS = 1024  # the test pools: room for three sequences of max context, cells shuffled
 GREEDY = SamplingParams()
 
-# What the package may hold beyond the weights, per method. Measured on this CPU build (torch 2.13, tiny
+# What the package may hold beyond the weights, per method. Measured on this CPU build (torch 2.13, tiny-random
 # preset, weights left out of every .so): each method's folder holds about 1.55-1.97 MB, of which the
 # compiled wrapper .so is ~1.5-1.8 MB (mostly the AOTInductor runtime linked into every method, not model
 # data) and the rest generated C++ sources (~0.2 MB) and small json. 3 MB per method leaves headroom for a
@@ -63,7 +63,7 @@ def artifact(tiny_artifact):
 
 @pytest.fixture(scope="module")
 def model():
-    return build_preset_model("tiny", torch.float32).eval()
+    return build_preset_model("tiny-random", torch.float32).eval()
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -224,7 +224,7 @@ def test_every_flag_set_that_validates_can_be_traced(model):
     forward sizes (1,) with max step tokens 2 is accepted, but forward_others is traced with a tokens
     dim of min 2 and max max_step_tokens, which torch.export refuses for max 2.
     """
-    options = ExportOptions(backend="cpu", output=Path("/tmp/unused.pt2"), preset="tiny", forward_sizes=(1,),
+    options = ExportOptions(backend="cpu", output=Path("/tmp/unused.pt2"), preset="tiny-random", forward_sizes=(1,),
                             max_step_tokens=2, max_cells=TEST_MAX_CELLS, max_context=TEST_MAX_CONTEXT)
     options.validate()
     options.validate_for_model(model.config.context_length)
@@ -395,7 +395,7 @@ def test_package_is_readable_like_any_new_file(tiny_artifact):
 
 def test_metadata_round_trips(tiny_artifact, model):
     raw = read_metadata(tiny_artifact).raw
-    config = get_preset("tiny").config
+    config = get_preset("tiny-random").config
     assert raw["format_version"] == FORMAT_VERSION
     assert raw["model_config"] == json.loads(json.dumps(config.to_dict()))
     assert raw["architecture"] == config.architecture
@@ -414,7 +414,7 @@ def test_metadata_round_trips(tiny_artifact, model):
     assert raw["built_with"]["torch"] == torch.__version__
     assert raw["content_hash"] == weights_hash(config.to_dict(), model_weights(model))
     assert raw["tokenizer"] == json.loads(json.dumps(byte_tokenizer_files().to_dict()))
-    assert raw["source"] == "preset:tiny"
+    assert raw["source"] == "preset:tiny-random"
     expected_methods = [forward_name(n) for n in sorted(DEFAULT_FORWARD_SIZES, reverse=True)]
     expected_methods += [FORWARD_OTHERS, SAMPLE, SAMPLE_ARGMAX, ACCEPT_DRAFTS, ACCEPT_DRAFTS_SAMPLED]
     assert sorted(raw["methods"]) == sorted(expected_methods)

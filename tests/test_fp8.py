@@ -147,7 +147,7 @@ def test_fp8_flags_that_do_not_apply_are_refused(tmp_path, flags, message):
 
 
 def test_fp8_lm_head_of_a_tied_model_is_refused():
-    tied = dataclasses.replace(get_preset("tiny").config, tie_word_embeddings=True)
+    tied = dataclasses.replace(get_preset("tiny-random").config, tie_word_embeddings=True)
     with torch.device("meta"):
         model = Transformer(tied)
     with pytest.raises(Pt2ServeError, match="needs an untied LM head"):

@@ -272,7 +272,7 @@ def test_block_requantization_error():
 
 def test_fp8_qwen2_with_biases_loads_them(tmp_path):
     """Stacked q/k/v in FP8 keep their float biases (Qwen2)."""
-    cfg = dataclasses.replace(get_preset("tiny").config, architecture="Qwen2ForCausalLM", attention_bias=True)
+    cfg = dataclasses.replace(get_preset("tiny-random").config, architecture="Qwen2ForCausalLM", attention_bias=True)
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
     with torch.no_grad():

@@ -14,7 +14,7 @@ from pt2serve.model.presets import build_preset_model
 
 
 def test_calibrated_scales_leave_the_headroom_per_head():
-    model = build_preset_model("tiny", torch.float32)
+    model = build_preset_model("tiny-random", torch.float32)
     scales = calibrate_kv_scales(model, seed=1)
     cfg = model.config
     assert len(scales) == cfg.num_layers

@@ -53,7 +53,7 @@ def write_tasks(folder) -> None:
 
 
 def write_tokenizer(folder) -> None:
-    """The tiny preset's tokenizer as a Hugging Face tokenizer folder, for lm-eval's own tokenization."""
+    """The tiny-random preset's tokenizer as a Hugging Face tokenizer folder, for lm-eval's own tokenization."""
     files = byte_tokenizer_files()
     folder.mkdir()
     (folder / "tokenizer.json").write_text(files.tokenizer_json)
@@ -99,7 +99,7 @@ def evaluate(lm, tmp_path, tasks: list[str]) -> dict:
 
 
 def assert_loglikelihoods_are_the_models(lm, results) -> None:
-    model = build_preset_model("tiny", torch.float32).eval()
+    model = build_preset_model("tiny-random", torch.float32).eval()
     mc = results["samples"]["toy_mc"]
     assert len(mc) == len(QUESTIONS)
     for sample in mc:

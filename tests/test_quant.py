@@ -233,7 +233,7 @@ def test_artifact_records_name_their_packing():
 
 def test_tied_embedding_quantized_once_serves_as_the_head():
     """llama-3.2-1b style tying: one quantized matrix for both uses."""
-    model = build_preset_model("tiny", torch.float32).eval()
+    model = build_preset_model("tiny-random", torch.float32).eval()
     model.lm_head = None  # tie it: the head reads the embedding
     quantize_model(model, QuantScheme.from_flags("int8", None, lm_head=True, embedding=False))
     assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.lm_head is None
@@ -245,10 +245,10 @@ def test_tied_embedding_quantized_once_serves_as_the_head():
 
 def test_quantized_logits_stay_close_to_float():
     prompt = list(range(20))
-    reference = EagerSequence(build_preset_model("tiny", torch.float32).eval(), 20).extend(prompt)
+    reference = EagerSequence(build_preset_model("tiny-random", torch.float32).eval(), 20).extend(prompt)
     errors = {}
     for name in ("int8", "int4"):
-        model = build_preset_model("tiny", torch.float32).eval()
+        model = build_preset_model("tiny-random", torch.float32).eval()
         quantize_model(model, QuantScheme.from_flags(name, 32, False, False))
         errors[name] = float((EagerSequence(model, 20).extend(prompt) - reference).abs().max())
     assert errors["int8"] < 0.01 < errors["int4"] < 0.2, errors  # int4 is coarser, but still close

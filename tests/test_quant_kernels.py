@@ -233,7 +233,7 @@ def quantized_tiny_model(scheme: str, group_size: int | None):
     from pt2serve.model.presets import build_preset_model
     from pt2serve.model.quant import QuantScheme, quantize_model
 
-    model = build_preset_model("tiny", torch.float32, DEVICE).eval()
+    model = build_preset_model("tiny-random", torch.float32, DEVICE).eval()
     quantize_model(model, QuantScheme.from_flags(scheme, group_size, lm_head=True, embedding=False))
     return model
 

@@ -29,7 +29,7 @@ def interpreter_or_gpu():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_the_operator_matches_the_plain_path(qk_norm, dtype):
-    cfg = dataclasses.replace(CONFIGS["tiny"], qk_norm=qk_norm)
+    cfg = dataclasses.replace(CONFIGS["tiny-random"], qk_norm=qk_norm)
     gen = torch.Generator().manual_seed(int(qk_norm))
     attn = Attention(cfg).to(DEVICE, dtype)
     if qk_norm:  # weights away from 1, so a norm applied wrongly shows
@@ -63,7 +63,7 @@ def test_fp8_cells_are_the_plain_paths_scaled_e4m3(dtype):
     clamped to its range (one head's scale is small enough that its values saturate)."""
     from pt2serve.model.kv_fp8 import KV_FP8_DTYPE, install_kv_scales
 
-    cfg = CONFIGS["tiny"]
+    cfg = CONFIGS["tiny-random"]
     gen = torch.Generator().manual_seed(7)
     attn = Attention(cfg).to(DEVICE, dtype)
     holder = torch.nn.Module()
@@ -106,7 +106,7 @@ def test_blocks_of_tokens_cover_a_dynamic_width_with_a_partial_last_block():
     from pt2serve.kernels import rope_store
 
     assert rope_store.tokens_per_program(64) == 1 and rope_store.tokens_per_program(torch.SymInt) == 16
-    cfg = CONFIGS["tiny"]
+    cfg = CONFIGS["tiny-random"]
     attn = Attention(cfg).to(DEVICE)
     num_tokens, num_cells = 37, 64
     qkv = torch.randn(num_tokens, attn.q_size + 2 * attn.kv_size).to(DEVICE)

@@ -107,7 +107,7 @@ def test_a_continuation_prefills_only_its_new_suffix_with_or_without_a_session(d
 
 def test_greedy_tokens_with_reuse_equal_those_without(tiny_artifact):
     """Families of random prompts that share prefixes of random lengths, run with the prefix cache and
-    without it (tiny: random weights, so any K/V mix-up changes the tokens)."""
+    without it (tiny-random: random weights, so any K/V mix-up changes the tokens)."""
     rng = random.Random(5)
     families = [[256] + [rng.randrange(256) for _ in range(60)] for _ in range(3)]
     batch = []

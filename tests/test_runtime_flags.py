@@ -181,7 +181,7 @@ def test_help_says_the_runner_defaults(command):
 
 # -- the pool's size ------------------------------------------------------------------------------------------
 
-CELL_BYTES = 2 * 2 * 2 * 16 * 4  # tiny: 2 layers x (K, V) x 2 kv heads x head dim 16 x fp32
+CELL_BYTES = 2 * 2 * 2 * 16 * 4  # tiny-random: 2 layers x (K, V) x 2 kv heads x head dim 16 x fp32
 
 
 def executor_finding(tiny_artifact, monkeypatch, free_bytes: int, max_cells: int | None = None, **config):

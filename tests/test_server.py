@@ -38,7 +38,7 @@ from pt2serve.serve.openai_format import CompletionFormat, sse
 
 MODEL = "tiny"
 API_KEY = "test-key-123"
-VOCAB = 258  # the tiny preset's byte vocabulary: 256 bytes, bos, eos
+VOCAB = 258  # the tiny-random preset's byte vocabulary: 256 bytes, bos, eos
 
 
 @pytest.fixture(scope="module")

@@ -118,7 +118,7 @@ def test_choices_apply_only_to_their_key_and_to_concrete_narrow_widths(kernels):
 
 
 def test_model_matmuls_lists_each_shape_with_its_calls_per_step():
-    model = build_preset_model("tiny", torch.float32)
+    model = build_preset_model("tiny-random", torch.float32)
     cfg = model.config
     calls = model_matmuls(model)
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -159,7 +159,7 @@ def test_a_config_is_chosen_unless_cublas_wins_past_the_noise():
 
 
 def test_describe_sums_a_steps_matmuls_with_and_without_the_choices():
-    model = build_preset_model("tiny", torch.float32)
+    model = build_preset_model("tiny-random", torch.float32)
     calls = model_matmuls(model)
     config = candidates(1, False)[0]
     timings = [Timing(shape, 1, torch.float32, 1.0, config, 0.5) for shape in calls]
@@ -176,7 +176,7 @@ from pt2serve.export.methods import MethodSpec, trace_forward
 from pt2serve.kernels.linear_choice import LinearChoices, candidates, choice_key, using
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
-model = load_model(None, "tiny", torch.float32, "cpu", AttentionImpl.MASKED).model
+model = load_model(None, "tiny-random", torch.float32, "cpu", AttentionImpl.MASKED).model
 width = int(sys.argv[2])
 configs = {}
 for i, shape in enumerate(model_matmuls(model)):  # alternate gemv and dot tiles over the shapes
@@ -197,7 +197,7 @@ def test_a_method_traced_with_choices_holds_the_kernels_and_matches_the_model(ke
     run_without_interpreter(TRACE_SCRIPT, str(path), str(width))
     program = torch.export.load(path)
     targets = [str(node.target) for node in program.graph.nodes]
-    model = build_preset_model("tiny", torch.float32).eval()
+    model = build_preset_model("tiny-random", torch.float32).eval()
     assert sum("pt2serve.small_m_linear" in t for t in targets) == 4 * model.config.num_layers + 1
     cfg = model.config
     step = example_step(width, width, 300, 512, "cpu")  # a static width holds one row per sequence
@@ -212,7 +212,7 @@ def test_a_method_traced_with_choices_holds_the_kernels_and_matches_the_model(ke
 def test_tuning_times_every_shape_and_width_on_the_gpu():
     from pt2serve.export.linear_tuning import tune
 
-    model = build_preset_model("tiny", torch.bfloat16, "cuda").eval()
+    model = build_preset_model("tiny-random", torch.bfloat16, "cuda").eval()
     choices, timings = tune(model, (1, 4, 64, 128), show_progress=False)
     assert {(t.shape, t.width) for t in timings} == {(s, w) for s in model_matmuls(model) for w in (1, 4, 64)}
     assert all(t.baseline_ms > 0 and t.best is not None for t in timings)
@@ -224,7 +224,7 @@ def test_tuning_times_every_quantized_shape_and_takes_a_config_for_each():
     from pt2serve.export.linear_tuning import tune
     from pt2serve.model.quant import QuantScheme, quantize_model
 
-    model = build_preset_model("tiny", torch.bfloat16, "cuda").eval()
+    model = build_preset_model("tiny-random", torch.bfloat16, "cuda").eval()
     quantize_model(model, QuantScheme.from_flags("int4", 32, lm_head=True, embedding=False))
     choices, timings = tune(model, (1, 16, 64), show_progress=False)
     assert {(t.shape, t.width) for t in timings} == {(s, w) for s in model_matmuls(model) for w in (1, 16, 64)}
@@ -237,7 +237,7 @@ def test_tuning_runs_every_candidate_and_keeps_the_faster_kernel(kernels, monkey
     takes the fastest config unless cuBLAS beats it past the margin, and stays cuBLAS where it does."""
     from pt2serve.export import linear_tuning
 
-    model = build_preset_model("tiny", torch.float32, DEVICE).eval()
+    model = build_preset_model("tiny-random", torch.float32, DEVICE).eval()
     shapes, widths = list(model_matmuls(model)), (1, 16)
     # Three configs per key keep the interpreter's time down; every config runs in the test above.
     monkeypatch.setattr(linear_tuning, "candidates", lambda width, swiglu: candidates(width, swiglu)[-3:])

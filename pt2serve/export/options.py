@@ -84,7 +84,7 @@ class ExportOptions:
     def num_jobs(self, weight_bytes: int) -> int:
         """Compile workers: as asked, else one per core (at most 8), and no more than the GPU holds models.
 
-        Measured on 2 cores: 2 workers export the tiny preset 1.8x faster than 1 (docs/benchmarks.md).
+        Measured on 2 cores: 2 workers export the tiny-random preset (then called tiny) 1.8x faster than 1 (docs/benchmarks.md).
         """
         if self.jobs is not None:
             return self.jobs

@@ -1,6 +1,9 @@
-"""Built-in models whose weights are generated from a fixed seed, so the project runs with no download.
+"""Built-in models, so the project runs with no download: one trained once and shipped in the package, the
+others with weights generated from a fixed seed.
 
-- tiny: a few small layers and a byte-level tokenizer, for CPU demos and tests.
+- tiny: a small Llama and its byte-level BPE tokenizer, trained on twelve Shakespeare plays by
+  scripts/train_tiny.py (files in trained/tiny/): its continuations read as English, for the quickstart and demos.
+- tiny-random: a few small layers with random weights and a byte-level tokenizer, for CPU tests.
 - toy-greedy: weights built so that each token strongly predicts a fixed successor (see `toy_successor`),
   so greedy output is known in advance and exact token equality can be asserted anywhere.
 - toy-greedy-8b: llama-3.1-8b's shape with toy-greedy's design (token ids only): the 8B's cost per step with
@@ -17,9 +20,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import load_file
 
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.config import ModelConfig, RopeScaling
@@ -31,7 +36,7 @@ SEED = 20261130
 NUM_BYTES = 256
 BOS_TEXT, EOS_TEXT = "<|bos|>", "<|eos|>"
 BYTE_VOCAB_SIZE = NUM_BYTES + 2  # 256 bytes, then bos, eos
-BYTE_CHAT_TEMPLATE = (
+PRESET_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
@@ -40,7 +45,13 @@ _LLAMA3_SCALING_1B = RopeScaling(32.0, 1.0, 4.0, 8192)
 _LLAMA3_SCALING_8B = RopeScaling(8.0, 1.0, 4.0, 8192)
 
 CONFIGS: dict[str, ModelConfig] = {
+    # The shape scripts/train_tiny.py trains (0.95M weights, 1.9 MB in bf16): a change needs a new training run.
     "tiny": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=2048, hidden_size=128, intermediate_size=320, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
+    "tiny-random": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=160,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
     ),
@@ -77,7 +88,11 @@ CONFIGS: dict[str, ModelConfig] = {
 CONFIGS["toy-greedy-8b"] = CONFIGS["llama-3.1-8b"]
 CONFIGS["toy-recall-8b"] = CONFIGS["llama-3.1-8b"]
 PRESET_NAMES = tuple(CONFIGS)
-_WITH_BYTE_TOKENIZER = ("tiny", "toy-greedy", "toy-recall")
+_WITH_BYTE_TOKENIZER = ("tiny-random", "toy-greedy", "toy-recall")
+# Presets whose tokenizer.json and model.safetensors were trained once and ship in the package (package data in
+# pyproject.toml), each in TRAINED_DIR / name.
+TRAINED_DIR = Path(__file__).with_name("trained")
+_TRAINED = ("tiny",)
 
 
 @dataclass(frozen=True)
@@ -90,21 +105,28 @@ class Preset:
 def get_preset(name: str) -> Preset:
     if name not in CONFIGS:
         raise Pt2ServeError(f"unknown preset {name!r}; available: {', '.join(PRESET_NAMES)}")
-    tokenizer = byte_tokenizer_files() if name in _WITH_BYTE_TOKENIZER else None
+    if name in _WITH_BYTE_TOKENIZER:
+        tokenizer = byte_tokenizer_files()
+    elif name in _TRAINED:
+        tokenizer = trained_tokenizer_files(name)
+    else:
+        tokenizer = None
     return Preset(name, CONFIGS[name], tokenizer)
 
 
 def build_preset_model(
     name: str, dtype: torch.dtype, device: str | torch.device = "cpu", attention: AttentionImpl = AttentionImpl.MASKED
 ) -> Transformer:
-    """The preset's model with its generated weights, on `device` in `dtype`."""
+    """The preset's model with its trained or generated weights, on `device` in `dtype`."""
     preset = get_preset(name)
     with torch.device("meta"):
         model = Transformer(preset.config, attention)
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(SEED)
     with torch.no_grad():
-        if name in _DESIGNED:
+        if name in _TRAINED:
+            model.load_state_dict(load_file(TRAINED_DIR / name / "model.safetensors"))
+        elif name in _DESIGNED:
             fill, signal = _DESIGNED[name]
             fill(model, generator, signal)
         else:
@@ -295,6 +317,19 @@ DESIGNED_CONTINUATIONS: dict[str, Callable[[list[int], int], list[int]]] = {
 }
 
 
+def trained_tokenizer_files(name: str) -> TokenizerFiles:
+    """A trained preset's tokenizer: its tokenizer.json, whose added tokens are bos and eos."""
+    tokenizer_json = (TRAINED_DIR / name / "tokenizer.json").read_text()
+    added = {token["content"]: token["id"] for token in json.loads(tokenizer_json)["added_tokens"]}
+    return TokenizerFiles(
+        tokenizer_json=tokenizer_json,
+        bos_token_id=added[BOS_TEXT],
+        eos_token_ids=(added[EOS_TEXT],),
+        chat_template=PRESET_CHAT_TEMPLATE,
+        special_tokens={"bos_token": BOS_TEXT, "eos_token": EOS_TEXT},
+    )
+
+
 def byte_tokenizer_files() -> TokenizerFiles:
     """A byte-level tokenizer: every byte is a token (no merges), plus bos and eos."""
     # The byte-level pre-tokenizer maps each byte to a printable character; enumerate them in byte order.
@@ -321,6 +356,6 @@ def byte_tokenizer_files() -> TokenizerFiles:
         tokenizer_json=json.dumps(tokenizer_json),
         bos_token_id=NUM_BYTES,
         eos_token_ids=(NUM_BYTES + 1,),
-        chat_template=BYTE_CHAT_TEMPLATE,
+        chat_template=PRESET_CHAT_TEMPLATE,
         special_tokens={"bos_token": BOS_TEXT, "eos_token": EOS_TEXT},
     )

@@ -74,7 +74,7 @@ class ExecutorConfig:
     use_cuda_graphs: bool = True
     # None: the static methods serve steps only where CUDA graphs capture them (their purpose); without a
     # graph a step pays for the padding of its width and index and gains nothing (with masked attention,
-    # CPU artifacts, the whole index is gathered: tiny, 64 decodes, 51 ms on forward_64 against 3.3 ms on
+    # CPU artifacts, the whole index is gathered: tiny-random, 64 decodes, 51 ms on forward_64 against 3.3 ms on
     # forward_others). True forces them (tests, checks of the methods).
     use_static_methods: bool | None = None
     # Run the artifact's DFlash draft (--speculate dflash): allocate its cell pool and write its context with
