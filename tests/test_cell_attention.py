@@ -92,6 +92,7 @@ MIXES = {
     "decodes, short and long (split walks)": [(0, 1), (1, 1), (62, 1), (300, 1), (700, 1)],
     "chunk behind a prefix, not a block multiple": [(37, 45)],
     "mixed step": [(0, 5), (3, 1), (200, 1), (0, 70), (129, 2)],
+    "long chunk behind a long prefix (unmasked blocks, then the diagonal's)": [(200, 150), (500, 1)],
 }
 HEADS = [(4, 4, 64), (8, 2, 128), (16, 2, 64)]  # GQA ratios 1, 4, 8; head_dim 64 and 128
 
@@ -216,8 +217,9 @@ def test_launch_configs_per_call_site():
     static = ops.LaunchConfig.for_call(1, 1, 32, 8)
     assert (static.block_q, static.block_m) == (4, 16)
     assert static.max_splits == ops.MAX_SPLITS  # one decode: split its walk over many programs
-    wide = ops.LaunchConfig.for_call(64, 64, 32, 8)
-    assert wide.max_splits == max(1, ops.TARGET_PROGRAMS // ((64 // 4 + 64) * 8))
+    # Splits per sequence fill TARGET_PROGRAMS (512) with sequences x KV heads x splits: 32 long decodes split
+    # in two, 8 in eight; 64 fill it unsplit, so forward_64 launches no merge kernel.
+    assert [ops.LaunchConfig.for_call(n, n, 32, 8).max_splits for n in (8, 32, 64)] == [8, 2, 1]
     dynamic = ops.LaunchConfig.for_call(None, 3, 32, 8)
     assert (dynamic.block_q, dynamic.block_m) == (16, 64)
 

@@ -1,7 +1,8 @@
 """The Triton operators compiled for the GPU at the 8B's shapes, against their PyTorch references.
 
 - cell attention with llama-3.1-8b's heads (32 query, 8 KV, head dim 128) in bf16 and fp32, cells in random
-  pool order: a mixed step, 64 decodes at 4k context, a 2,048-token chunk behind a 12k prefix; both call-site
+  pool order: a mixed step, 64 decodes at 4k context, a 2,048-token chunk behind a 12k prefix, 1 and 8 decodes
+  at 16k; both call-site
   configs (static width, dynamic width). tests/test_cell_attention.py covers small shapes in the interpreter.
 - the quantized linear (int8 per row, int4 in groups of 128 with zero points) on the 8B's four layer shapes at
   the small-M widths and a wide one.
@@ -23,6 +24,8 @@ ATTENTION_STEPS = {  # name: (cells already computed, new tokens) per sequence
     "mixed step": [(0, 5), (3, 1), (200, 1), (0, 70), (129, 2), (1000, 1)],
     "64 decodes at 4k": [(4095, 1)] * 64,
     "2048 chunk behind 12k": [(12288, 2048)],
+    "1 decode at 16k (64 splits)": [(16000, 1)],
+    "8 decodes at 16k": [(16000, 1)] * 8,
 }
 # Relative error (norm) against the reference computed in fp32 from the same inputs.
 ATTENTION_TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}

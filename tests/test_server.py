@@ -840,3 +840,26 @@ def test_cli_reports_a_missing_artifact_without_traceback(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_pool_smaller_than_the_context_is_the_length_the_server_advertises(tiny_artifact):
+    """With --num-cells below the artifact's max context, /v1/models, /tokenize and /tokenizer_info give the
+    longest request the server accepts (prompt + max_tokens), as clients size their requests by them."""
+    from pt2serve.runtime.executor import ExecutorConfig
+
+    small = open_runner(tiny_artifact, device="cpu", executor_config=ExecutorConfig(num_cells=65))
+    thread = ServerThread(create_app(ServerConfig(model_name=MODEL), small)).start()
+    try:
+        accepted = small.max_sequence_tokens
+        assert accepted < small.max_context
+        with httpx.Client(base_url=thread.url, timeout=30) as http:
+            assert http.get("/v1/models").json()["data"][0]["max_model_len"] == accepted
+            assert http.get(f"/v1/models/{MODEL}").json()["max_model_len"] == accepted
+            assert http.post("/tokenize", json={"prompt": "a"}).json()["max_model_len"] == accepted
+            assert http.get("/tokenizer_info").json()["model_max_length"] == accepted
+            body = {"model": MODEL, "prompt": [1] * (accepted - 4), "max_tokens": 4, "ignore_eos": True}
+            assert http.post("/v1/completions", json=body).status_code == 200
+            assert http.post("/v1/completions", json={**body, "max_tokens": 5}).status_code == 400
+    finally:
+        thread.stop()
+        small.close()

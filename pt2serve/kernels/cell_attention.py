@@ -36,9 +36,11 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 32
-# Small static widths split their walks until about this many programs exist. Wider ones fill the GPU
-# with (query block, KV head) programs alone and skip the merge kernel's launch (2.7 us a layer, H200).
+MAX_SPLITS = 64
+# A static width lets each of its sequences split its walk until the width's sequences x KV heads x splits
+# reach this many programs: a step whose every sequence is long then fills the GPU whatever its width (one
+# sequence at 16k: 64 splits of 250 cells; 32 at 4k: 2 of 2,000). The widest (64: 512 programs unsplit)
+# skip the merge kernel's launch (2.7 us a layer, H200).
 TARGET_PROGRAMS = 512
 
 
@@ -155,11 +157,12 @@ class LaunchConfig:
         if num_tokens is None:
             rows = max(64, triton.next_power_of_2(group))
             return cls(rows // group, rows, 64, 4, 256, num_warps=4, num_stages=3)
+        # The split count counts sequences, not the grid's query blocks: the grid's bound on blocks doubles
+        # them for decodes (each sequence may add a partial block), and counting those kept 32 decodes at 4k
+        # to one program per (sequence, KV head), 256 programs on 132 SMs (9.7 ms a step against 7.6).
         rows = max(16, triton.next_power_of_2(group))
-        block_q = rows // group
-        num_blocks = num_tokens // block_q + num_seqs
-        splits = max(1, min(MAX_SPLITS, TARGET_PROGRAMS // (num_blocks * num_kv_heads)))
-        return cls(block_q, rows, 64, splits, 128, num_warps=4, num_stages=3)
+        splits = max(1, min(MAX_SPLITS, TARGET_PROGRAMS // (num_seqs * num_kv_heads)))
+        return cls(rows // group, rows, 64, splits, 128, num_warps=4, num_stages=3)
 
     def num_blocks(self, num_tokens, num_seqs):
         """The grid's upper bound on query blocks: each sequence adds at most one partial block."""
@@ -174,6 +177,41 @@ if triton is not None:
         splits = tl.cdiv(num_entries, MIN_SPLIT)
         splits = tl.minimum(tl.maximum(splits, 1), max_splits)
         return tl.where(num_queries > BLOCK_Q, 1, splits)
+
+    @triton.jit
+    def _attend_block(
+        acc, m_i, l_i, q, position, start, hi, cells_ptr, k_pool_ptr, v_pool_ptr, kv_head, dims, dim_ok, scale_log2,
+        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        """One BLOCK_N step of the online softmax over entries start .. start + BLOCK_N of the sequence (cells_ptr:
+        its index). MASKED: entries past `hi` or past a row's position are hidden; else every row sees them all."""
+        entry = start + tl.arange(0, BLOCK_N)
+        entry_ok = entry < hi
+        if MASKED:
+            cell = tl.load(cells_ptr + entry, mask=entry_ok, other=0)
+            kv_mask = entry_ok[:, None] & dim_ok[None, :]
+        else:
+            cell = tl.load(cells_ptr + entry)
+            kv_mask = dim_ok[None, :]
+        kv_offsets = (cell * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(k_pool_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_pool_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if MASKED:
+            visible = entry_ok[None, :] & (entry[None, :] <= position[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        if MASKED:
+            # A row that has seen nothing yet keeps m = -inf; shift by 0 there so no -inf - -inf = NaN appears.
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            shift = m_new  # finite: every row saw this block's entries
+        p = tl.math.exp2(scores - shift[:, None])
+        alpha = tl.math.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return acc, m_new, l_i
 
     @triton.jit
     def _cell_attention_kernel(
@@ -246,25 +284,18 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            entry = start + tl.arange(0, BLOCK_N)
-            entry_ok = entry < hi
-            cell = tl.load(seq_cells_ptr + entry_start + entry, mask=entry_ok, other=0)
-            kv_offsets = (cell * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
-            kv_mask = entry_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_pool_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-            v = tl.load(v_pool_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            visible = entry_ok[None, :] & (entry[None, :] <= position[:, None])
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            # A row that has seen nothing yet keeps m = -inf; shift by 0 there so no -inf - -inf = NaN appears.
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(scores - shift[:, None])
-            alpha = tl.math.exp2(m_i - shift)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        # Blocks every row sees whole (below the block's first position, inside [lo, hi)) skip the masks; only
+        # the diagonal's blocks and a last partial one pay for them.
+        first_position = tl.load(positions_ptr + query_start + first_query)
+        unmasked_end = lo + tl.maximum(tl.minimum(hi, first_position + 1) - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, unmasked_end, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, position, start, hi, seq_cells_ptr + entry_start, k_pool_ptr, v_pool_ptr, kv_head,
+                dims, dim_ok, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, PRECISION, MASKED=False)
+        for start in range(unmasked_end, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, position, start, hi, seq_cells_ptr + entry_start, k_pool_ptr, v_pool_ptr, kv_head,
+                dims, dim_ok, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, PRECISION, MASKED=True)
 
         if HAS_KV_SCALES:
             acc = acc * tl.load(v_scale_ptr + kv_head)

@@ -71,7 +71,7 @@ def create_app(config: ServerConfig, runner: Runner | None = None, owns_runner: 
     @api.get("/v1/models")
     async def models() -> JSONResponse:
         runner = state.ready_runner()
-        return JSONResponse(model_list(config.model_name, state.created, runner.max_context))
+        return JSONResponse(model_list(config.model_name, state.created, runner.max_sequence_tokens))
 
     @api.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
@@ -79,7 +79,7 @@ def create_app(config: ServerConfig, runner: Runner | None = None, owns_runner: 
         if model_id != config.model_name:
             raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
                            f"{config.model_name!r}", "model", "model_not_found")
-        return JSONResponse(model_card(config.model_name, state.created, runner.max_context))
+        return JSONResponse(model_card(config.model_name, state.created, runner.max_sequence_tokens))
 
     @api.post("/v1/completions")
     async def create_completion(request: Request) -> Response:

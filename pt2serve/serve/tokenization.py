@@ -34,7 +34,7 @@ async def tokenize(request: Request, state: ServerState) -> dict[str, Any]:
     tokenizer = _tokenizer(runner)
     ids = await run_in_threadpool(_encode, tokenizer, req)
     strings = [tokenizer.token_piece(token) for token in ids] if req.return_token_strs else None
-    return {"count": len(ids), "max_model_len": runner.max_context, "tokens": ids, "token_strs": strings}
+    return {"count": len(ids), "max_model_len": runner.max_sequence_tokens, "tokens": ids, "token_strs": strings}
 
 
 async def detokenize(request: Request, state: ServerState) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def tokenizer_info(state: ServerState) -> dict[str, Any]:
     files = tokenizer.files
     return {"tokenizer_class": "PreTrainedTokenizerFast", **files.special_tokens,
             "bos_token_id": files.bos_token_id, "eos_token_ids": list(files.eos_token_ids),
-            "model_max_length": runner.max_context, "chat_template": tokenizer.chat_template}
+            "model_max_length": runner.max_sequence_tokens, "chat_template": tokenizer.chat_template}
 
 
 def _encode(tokenizer: Tokenizer, req: TokenizeRequest) -> list[int]:
