@@ -99,12 +99,14 @@ HEADS = [(4, 4, 64), (8, 2, 128), (16, 2, 64)]  # GQA ratios 1, 4, 8; head_dim 6
 
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}-kv{h[1]}-d{h[2]}")
-@pytest.mark.parametrize("call_site", ["static", "dynamic"])
+@pytest.mark.parametrize("call_site", ["static", "dynamic", "static, unmasked bulk"])
 def test_kernel_matches_masked_reference(mix, heads, call_site):
     num_heads, num_kv_heads, head_dim = heads
     step = random_step(len(mix) + head_dim, MIXES[mix], num_heads, num_kv_heads, head_dim, padding=7)
-    num_tokens = step.q.shape[0] if call_site == "static" else None
+    num_tokens = None if call_site == "dynamic" else step.q.shape[0]
     config = launch_config(num_tokens, step.seq_indptr.shape[0] - 1, num_heads, num_kv_heads)
+    if call_site == "static, unmasked bulk":  # decode-sized tiles through the prefill tiles' two loops
+        config = dataclasses.replace(config, unmasked_bulk=True)
     assert relative_error(step.kernel(config), step.reference()) < 1e-5
 
 
@@ -222,6 +224,7 @@ def test_launch_configs_per_call_site():
     assert [ops.LaunchConfig.for_call(n, n, 32, 8).max_splits for n in (8, 32, 64)] == [8, 2, 1]
     dynamic = ops.LaunchConfig.for_call(None, 3, 32, 8)
     assert (dynamic.block_q, dynamic.block_m) == (16, 64)
+    assert dynamic.unmasked_bulk and not static.unmasked_bulk
 
 
 def test_operator_with_its_own_config_and_every_split():

@@ -127,6 +127,7 @@ STATIC_VARIANTS = {
     "min_split 512": {"min_split": 512},
     "splits/2": "half",
     "splits*2": "double",
+    "unmasked bulk": {"unmasked_bulk": True},
 }
 DYNAMIC_CASES = {
     "T=4096 prefill": [(0, 4096)],
@@ -135,6 +136,7 @@ DYNAMIC_CASES = {
 }
 DYNAMIC_VARIANTS = {
     "default": {},
+    "masked bulk": {"unmasked_bulk": False},
     "m64 n64 w4 s2": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
     "m64 n64 w4 s3": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
     "m128 n64 w4 s3": {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
