@@ -55,11 +55,19 @@ def config_for(step, static: bool) -> ops.LaunchConfig:
     return ops.LaunchConfig.for_call(q.shape[0] if static else None, seq_indptr.shape[0] - 1, HEADS, KV_HEADS)
 
 
-def runner(step, config: ops.LaunchConfig):
-    """A call of the operator's kernels on `step` with `config`, its block table built once (as per step)."""
+def runner(step, config: ops.LaunchConfig, scales=(None, None)):
+    """A call of the operator's kernels on `step` with `config`, its block table built once (as per step);
+    `scales`: an FP8 pool's (k_scale, v_scale)."""
     q, _, _, _, _, query_indptr, seq_indptr, _ = step
     block_seq_end = ops.block_sequence_ends(query_indptr, config.num_blocks(q.shape[0], seq_indptr.shape[0] - 1), config.block_q)
-    return lambda: ops.launch_cell_attention(*step, block_seq_end, config)
+    return lambda: ops.launch_cell_attention(*step, block_seq_end, config, *scales)
+
+
+def with_fp8_cells(step):
+    """The step with its pools in e4m3 (scale 1 per KV head): the operator's FP8-cell path."""
+    q, k, v, *rest = step
+    scale = torch.ones(KV_HEADS, device=DEVICE)
+    return (q, k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), *rest), (scale, scale)
 
 
 def graph_ms(fn, iters: int = 20, calls: int = 16) -> float:
@@ -78,6 +86,9 @@ SPEED = {  # name: (chunks, static call site?)
     "T=32 ctx 64": ([(63, 1)] * 32, True),
     "T=64 ctx 64": ([(63, 1)] * 64, True),
     "T=64 ctx 4096": ([(4095, 1)] * 64, True),
+    "T=32 ctx 4096": ([(4095, 1)] * 32, True),
+    "T=32 ctx 4096 fp8 cells": ([(4095, 1)] * 32, True),
+    "T=64 ctx 4096 fp8 cells": ([(4095, 1)] * 64, True),
     "T=2048 chunk after 12k": ([(12288, 2048)], False),
     "T=4096 prefill": ([(0, 4096)], False),
 }
@@ -90,11 +101,13 @@ def speed(bandwidth: float, quick: bool) -> None:
         num_cells = sum(b + c for b, c in chunks) + 16
         step = random_step(3, chunks, num_cells, torch.bfloat16)
         config = config_for(step, static)
-        kernel_ms = graph_ms(runner(step, config))
-        kv_bytes = sum(b + c for b, c in chunks) * KV_HEADS * HEAD_DIM * 2 * 2
+        fp8 = name.endswith("fp8 cells")
+        step, scales = with_fp8_cells(step) if fp8 else (step, (None, None))
+        kernel_ms = graph_ms(runner(step, config, scales))
+        kv_bytes = sum(b + c for b, c in chunks) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2)
         floor_ms = kv_bytes / bandwidth * 1e3
         masked = "-"
-        if not quick and sum(c for _, c in chunks) * sum(b + c for b, c in chunks) <= 64 * 8192:
+        if not quick and not fp8 and sum(c for _, c in chunks) * sum(b + c for b, c in chunks) <= 64 * 8192:
             q, k, v, positions, token_seq, _, seq_indptr, seq_cells = step
             mask = ops.visibility_mask(positions, token_seq, seq_indptr, seq_cells.shape[0])
             masked = f"{graph_ms(lambda: ops.masked_cell_attention(q, k, v, seq_cells, mask), calls=4) * 1e3:.1f}"
