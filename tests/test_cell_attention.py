@@ -219,9 +219,10 @@ def test_launch_configs_per_call_site():
     static = ops.LaunchConfig.for_call(1, 1, 32, 8)
     assert (static.block_q, static.block_m) == (4, 16)
     assert static.max_splits == ops.MAX_SPLITS  # one decode: split its walk over many programs
-    # Splits per sequence fill TARGET_PROGRAMS (512) with sequences x KV heads x splits: 32 long decodes split
-    # in two, 8 in eight; 64 fill it unsplit, so forward_64 launches no merge kernel.
-    assert [ops.LaunchConfig.for_call(n, n, 32, 8).max_splits for n in (8, 32, 64)] == [8, 2, 1]
+    # Splits per sequence fill TARGET_PROGRAMS (1,024) with sequences x KV heads x splits: 8 long decodes split
+    # in 16, 32 in 4 (of at least 256 cells); 64 fill half of it unsplit, so forward_64 launches no merge kernel.
+    configs = [ops.LaunchConfig.for_call(n, n, 32, 8) for n in (8, 16, 32, 64)]
+    assert [(c.max_splits, c.min_split) for c in configs] == [(16, 128), (8, 128), (4, 256), (1, 256)]
     dynamic = ops.LaunchConfig.for_call(None, 3, 32, 8)
     assert (dynamic.block_q, dynamic.block_m) == (16, 64)
     assert dynamic.unmasked_bulk and not static.unmasked_bulk

@@ -36,12 +36,17 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 64
-# A static width lets each of its sequences split its walk until the width's sequences x KV heads x splits
-# reach this many programs: a step whose every sequence is long then fills the GPU whatever its width (one
-# sequence at 16k: 64 splits of 250 cells; 32 at 4k: 2 of 2,000). The widest (64: 512 programs unsplit)
-# skip the merge kernel's launch (2.7 us a layer, H200).
-TARGET_PROGRAMS = 512
+MAX_SPLITS = 32
+# A static width lets each of its sequences split its KV walk until sequences x KV heads x splits reach
+# TARGET_PROGRAMS, so a step whose every sequence is long fills the GPU whatever its width. Measured per layer
+# on the H200 (llama-3.1-8b heads, docs/benchmarks.md): 32 decodes at 4k 158.6 us unsplit, 148.6 in 4 splits;
+# 8 at 16k 431.8 unsplit, 168.5 in 8, 143.6 in 16; one at 16k 28.9 in 32, 30.9 in 64. A width that fills
+# TARGET_PROGRAMS / 2 programs unsplit does not split (64 decodes at 4k: 248 us unsplit, 279 in 2; at 512:
+# 37.8 against 49.3) and skips the merge kernel's launch.
+TARGET_PROGRAMS = 1024
+# The fewest cells a split walks: 128, or 256 from a width of TARGET_PROGRAMS / 4 programs unsplit up (32
+# decodes at 512 in 2 splits: 30.7 us, in 4: 32.7).
+MIN_SPLIT, WIDE_MIN_SPLIT = 128, 256
 
 
 def is_available() -> bool:
@@ -161,12 +166,14 @@ class LaunchConfig:
         if num_tokens is None:
             rows = max(64, triton.next_power_of_2(group))
             return cls(rows // group, rows, 64, 4, 256, num_warps=4, num_stages=3, unmasked_bulk=True)
-        # The split count counts sequences, not the grid's query blocks: the grid's bound on blocks doubles
+        # Programs unsplit count sequences, not the grid's query blocks: the grid's bound on blocks doubles
         # them for decodes (each sequence may add a partial block), and counting those kept 32 decodes at 4k
-        # to one program per (sequence, KV head), 256 programs on 132 SMs (9.7 ms a step against 7.6).
+        # to one program per (sequence, KV head).
         rows = max(16, triton.next_power_of_2(group))
-        splits = max(1, min(MAX_SPLITS, TARGET_PROGRAMS // (num_seqs * num_kv_heads)))
-        return cls(rows // group, rows, 64, splits, 128, num_warps=4, num_stages=3)
+        unsplit = num_seqs * num_kv_heads
+        splits = 1 if unsplit >= TARGET_PROGRAMS // 2 else max(1, min(MAX_SPLITS, TARGET_PROGRAMS // unsplit))
+        min_split = WIDE_MIN_SPLIT if unsplit >= TARGET_PROGRAMS // 4 else MIN_SPLIT
+        return cls(rows // group, rows, 64, splits, min_split, num_warps=4, num_stages=3)
 
     def num_blocks(self, num_tokens, num_seqs):
         """The grid's upper bound on query blocks: each sequence adds at most one partial block."""
