@@ -770,6 +770,27 @@ def test_past_the_connection_budget_waiting_connections_give_way_and_requests_ge
         thread.stop()
 
 
+def test_a_body_that_never_arrives_gets_408_and_frees_its_slot(runner):
+    """Headers, then part of the body, then nothing: after --body-timeout the request is answered 408 and its
+    connection closed, so it no longer counts against the connection budget (it held it for ever)."""
+    config = ServerConfig(model_name=MODEL, max_connections=2, max_queued=1, body_timeout_s=1.0)
+    thread = ServerThread(create_app(config, runner)).start()
+    stalled = connect(thread.url, 2)
+    try:
+        for sock in stalled:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        replies = [sock.recv(4096) for sock in stalled]  # the socket's timeout (5 s) bounds the wait
+        for reply in replies:
+            assert reply.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in reply
+        assert_closed_by_the_server(stalled, within_s=5)
+        with httpx.Client(base_url=thread.url, timeout=10) as http:  # the two slots are free again
+            assert http.post(COMPLETIONS, json=OK).status_code == 200
+    finally:
+        for sock in stalled:
+            sock.close()
+        thread.stop()
+
+
 # -- metrics and CLI ------------------------------------------------------------------------------------------
 
 

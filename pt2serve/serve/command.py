@@ -76,6 +76,8 @@ def serve_artifact_command(
     header_timeout: float = typer.Option(10.0, help="Seconds a connection has to send a request's headers, from "
                                          "opening or from its first byte after a response, before it is closed "
                                          "(an idle keep-alive connection is closed after 15 s)."),
+    body_timeout: float = typer.Option(30.0, help="Seconds a request's body has to arrive after its headers; then "
+                                       "it is answered 408 and its connection closed."),
     drain_timeout: float = typer.Option(30.0, help="On SIGTERM/SIGINT: seconds running requests may take to finish "
                                         "before they are cut; new requests get 503 meanwhile."),
     prefix_cache_enabled: Optional[bool] = prefix_cache_option(),
@@ -132,6 +134,7 @@ def serve_artifact_command(
     try:
         config = ServerConfig(model_name=model_name or artifact.stem, api_key=api_key, max_queued=max_queued,
                               max_connections=max_connections, header_timeout_s=header_timeout,
+                              body_timeout_s=body_timeout,
                               drain_timeout_s=drain_timeout,
                               default_max_tokens=default_max_tokens)
         executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)

@@ -43,7 +43,7 @@ SESSION_HEADER = "x-session-id"
 async def handle(request: Request, state: ServerState, chat: bool) -> Response:
     arrived = time.perf_counter()
     runner, config = state.ready_runner(), state.config
-    data = await read_json(request, config.max_body_bytes)
+    data = await read_json(request, config)
     req = parse_chat(data) if chat else parse_completion(data)
     if req.model is not None and req.model != config.model_name:
         raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {config.model_name!r}",

@@ -14,6 +14,7 @@ class ServerConfig:
     max_queued: int = 256  # requests in the runner (running + waiting) before new ones get 429
     max_connections: int = 512  # open connections and requests in progress (connections.py says how)
     header_timeout_s: float = 10.0  # a connection that sends no whole request's headers for this long is closed
+    body_timeout_s: float = 30.0  # a request whose body has not all arrived this long after its headers: 408
     drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT, how long running requests may go on
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int | None = None  # without max_tokens: None runs to the end of the context
@@ -31,6 +32,8 @@ class ServerConfig:
                                 "every queued request holds a connection, and a full queue must still answer 429")
         if not 0 < self.header_timeout_s <= 3600:
             raise Pt2ServeError(f"header_timeout_s must be in (0, 3600], got {self.header_timeout_s}")
+        if not 0 < self.body_timeout_s <= 3600:
+            raise Pt2ServeError(f"body_timeout_s must be in (0, 3600], got {self.body_timeout_s}")
         if not 0 <= self.drain_timeout_s <= 3600:
             raise Pt2ServeError(f"drain_timeout_s must be in [0, 3600], got {self.drain_timeout_s}")
         if self.max_body_bytes < 1024:

@@ -29,7 +29,7 @@ from pt2serve.tokenizer import Tokenizer
 
 async def tokenize(request: Request, state: ServerState) -> dict[str, Any]:
     runner = state.ready_runner()
-    req = parse_tokenize(await read_json(request, state.config.max_body_bytes))
+    req = parse_tokenize(await read_json(request, state.config))
     _check_model(state, req.model)
     tokenizer = _tokenizer(runner)
     ids = await run_in_threadpool(_encode, tokenizer, req)
@@ -39,7 +39,7 @@ async def tokenize(request: Request, state: ServerState) -> dict[str, Any]:
 
 async def detokenize(request: Request, state: ServerState) -> dict[str, Any]:
     runner = state.ready_runner()
-    model, tokens = parse_detokenize(await read_json(request, state.config.max_body_bytes))
+    model, tokens = parse_detokenize(await read_json(request, state.config))
     _check_model(state, model)
     tokenizer = _tokenizer(runner)
     bad = [t for t in tokens if not 0 <= t < runner.vocab_size]

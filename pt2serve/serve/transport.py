@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, AsyncIterator, Callable
 
@@ -9,11 +10,28 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pt2serve.serve.config import ServerConfig
 from pt2serve.serve.errors import ApiError, bad_request
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body parsed as JSON; 413 past `limit` bytes (checked before and while reading), 400 if not JSON."""
+async def read_json(request: Request, config: ServerConfig) -> Any:
+    """The body parsed as JSON; 413 past max_body_bytes (checked before and while reading), 400 if not JSON,
+    408 if it has not all arrived within body_timeout_s: a client that sends headers and never its body would
+    hold a request slot (counted against --max-connections) for ever."""
+    try:
+        raw = await asyncio.wait_for(_read_body(request, config.max_body_bytes), config.body_timeout_s)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {config.body_timeout_s:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    if not raw.strip():
+        raise bad_request("the request body is empty: send a JSON object")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+        raise bad_request(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -28,13 +46,7 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise _too_large(limit)
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise bad_request("the request body is empty: send a JSON object")
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
-        raise bad_request(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    return b"".join(chunks)
 
 
 def _too_large(limit: int) -> ApiError:
