@@ -433,6 +433,7 @@ def test_a_preempted_request_restarts_from_what_the_cache_kept_of_it():
     assert restarts == [16 + 4 - 1]
     assert [r.stats.completion_tokens for r in pair] == [6, 10]
     assert [r.stats.reused_tokens for r in pair] == [0, 0]  # its own cells: nothing came from another request
+    assert scheduler.prefix_cache.hit_rate == 0.0  # nor in the metric (its own 19 cells counted before)
     assert_pool_returns_to_empty(scheduler)
 
 

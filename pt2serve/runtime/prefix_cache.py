@@ -70,13 +70,13 @@ class PrefixCache:
         self.num_cells = 0  # cells the tree holds a reference on
         self.num_unheld_cells = 0  # of those, the cells of nodes no holder holds: what eviction can take
         self.num_lookups = 0
-        self.num_hits = 0  # lookups that reused at least one token
+        self.num_hits = 0  # counted lookups that reused at least one cell another holder computed
         self.num_lookup_tokens = 0
-        self.num_reused_tokens = 0
+        self.num_reused_tokens = 0  # of those, cells another holder computed
 
     @property
     def hit_rate(self) -> float:
-        """Share of the tokens looked up whose cells were reused."""
+        """Share of the tokens of counted lookups whose cells another holder computed."""
         return self.num_reused_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0
 
     @property
@@ -122,11 +122,15 @@ class PrefixCache:
             depth += len(node.cells)
         return count
 
-    def match(self, holder: int, tokens: Sequence[int], limit: int) -> np.ndarray:
+    def match(self, holder: int, tokens: Sequence[int], limit: int, counted: bool = True) -> np.ndarray:
         """The cells of the longest cached prefix of `tokens`, at most `limit` long; `holder` holds the path
-        and owns one new reference on each returned cell."""
-        self.num_lookups += 1
-        self.num_lookup_tokens += len(tokens)
+        and owns one new reference on each returned cell.
+
+        `counted`: whether the lookup counts towards hit_rate (a request resumed after a preemption looks its
+        own tokens up again: not counted, and cells it computed itself never count as reused)."""
+        if counted:
+            self.num_lookups += 1
+            self.num_lookup_tokens += len(tokens)
         if not self.enabled or limit < 1:
             return _NO_CELLS
         node, depth = self._descend(np.asarray(tokens[:limit], dtype=np.int64))
@@ -136,8 +140,10 @@ class PrefixCache:
         self._allocator.share(cells)
         self._use(node)
         self._hold(holder, node)
-        self.num_hits += 1
-        self.num_reused_tokens += depth
+        if counted:
+            reused = self.reused_from_others(holder, depth)
+            self.num_hits += reused > 0
+            self.num_reused_tokens += reused
         return cells
 
     def insert(self, holder: int, tokens: Sequence[int], cells: np.ndarray) -> np.ndarray:

@@ -307,7 +307,8 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         if request.num_computed:
             return
-        cells = self.prefix_cache.match(request.id, request.tokens, _match_limit(request))
+        cells = self.prefix_cache.match(request.id, request.tokens, _match_limit(request),
+                                        counted=request.stats.preemptions == 0)
         request.cells = CellTable(cells)
         request.num_computed = len(cells)
         # Only cells another request computed count as reused: after a preemption, a request that restarts

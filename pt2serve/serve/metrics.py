@@ -66,8 +66,9 @@ class _RunnerCollector(Collector):
          "counted while idle (0 unless cells leak).", "cells_leaked"),
         ("pt2serve_prefix_cache_cells", "KV cells held only by the prefix cache for reuse (freed as steps need "
          "them).", "prefix_cache_cells"),
-        ("pt2serve_prefix_cache_hit_rate", "Share of the tokens of admitted requests whose KV cells came from the "
-         "prefix cache, since start.", "prefix_cache_hit_rate"),
+        ("pt2serve_prefix_cache_hit_rate", "Share of the tokens of admitted requests whose KV cells another request "
+         "computed (reused through the prefix cache), since start; a request resumed after a preemption "
+         "counts once.", "prefix_cache_hit_rate"),
     )
     _COUNTERS = (
         ("pt2serve_preemptions", "Running requests whose cells were taken to make room (recomputed later).",
