@@ -190,12 +190,19 @@ def _gateway_counts(url: str) -> dict[str, float]:
 
 
 def test_metrics_are_labelled_by_replica(two_replicas):
-    for _ in range(4):
-        httpx.post(f"{two_replicas}/v1/completions", json={"prompt": "metrics", "max_tokens": 2}, timeout=60)
-    # Replicas post their metrics every second; on a loaded machine a post can come late.
-    deadline = time.monotonic() + 30
+    """Rounds of 4 concurrent requests with prompts of their own (new prefixes spread by load) until both
+    replicas' counts reach the gateway's /metrics: replicas post every second, late on a loaded machine."""
+
+    async def round_of_four(round_index: int) -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            await asyncio.gather(*(http.post(f"{two_replicas}/v1/completions", json={
+                "prompt": f"metrics {round_index} {i}", "max_tokens": 2}) for i in range(4)))
+
+    deadline, round_index = time.monotonic() + 60, 0
     while len(counts := _replica_requests(two_replicas)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.5)
+        asyncio.run(round_of_four(round_index))
+        round_index += 1
+        time.sleep(1.0)
     assert len(counts) == 2 and sum(counts.values()) >= 4, counts
 
 
