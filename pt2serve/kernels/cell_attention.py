@@ -19,8 +19,11 @@ Work is cut into programs of (query block, KV head, split):
 Every program only reads the cells at positions 0 .. its last token's position.
 
 FP8 pools (model/kv_fp8.py): cells hold e4m3 K/V divided by a scale per KV head (k_scale, v_scale [KVH]).
-Both kernels widen the e4m3 values to q's dtype as they load them (exact: e4m3 is a subset of bf16) and
-fold the scales into per-program scalars: K's into the softmax scale, V's into the output.
+The kernel widens the e4m3 values as it loads them and folds the scales into per-program scalars: K's into
+the softmax scale, V's into the output. With a bf16 q its dots run in fp16 (q converted once per program):
+the widening, not the halved bytes, bounded the FP8 walk in bf16, and Hopper widens e4m3 pairs to fp16 in one
+instruction (cvt.rn.f16x2.e4m3x2) where bf16 takes a second conversion. Both conversions are exact (e4m3 fits fp16; bf16 q loses no mantissa in
+fp16, only range past 65,504, far beyond a projected query's values).
 """
 
 from __future__ import annotations
@@ -251,6 +254,7 @@ if triton is not None:
         SCALE_LOG2: tl.constexpr,  # softmax scale * log2(e): exp2 instead of exp
         PRECISION: tl.constexpr,
         HAS_KV_SCALES: tl.constexpr,
+        FP16_DOTS: tl.constexpr,  # FP8 pools under a bf16 q: both dots in fp16 (the module docstring says why)
         UNMASKED_BULK: tl.constexpr,
     ):
         GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
@@ -280,6 +284,8 @@ if triton is not None:
         dim_ok = dims < HEAD_DIM
         q_offsets = (token * NUM_HEADS + head)[:, None] * HEAD_DIM + dims[None, :]
         q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        if FP16_DOTS:
+            q = q.to(tl.float16)  # _attend_block widens K and V to q's dtype
         position = tl.load(positions_ptr + token, mask=row_ok, other=0)
 
         # This block sees entries 0 .. its last token's position (never past its sequence's own entries);
@@ -384,6 +390,7 @@ if triton is not None:
             SCALE_LOG2=head_dim**-0.5 * LOG2E,
             # fp32 artifacts are compared token for token with fp32 references: no tf32 in their dots.
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_KV_SCALES=k_scale is not None,
+            FP16_DOTS=k_scale is not None and q.dtype == torch.bfloat16,
             UNMASKED_BULK=config.unmasked_bulk, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if splits > 1:
