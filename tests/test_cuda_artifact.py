@@ -87,8 +87,9 @@ def run_widths(executor: Executor, seed: int) -> list[tuple[int, tuple[str, ...]
             cells = executor.allocator.allocate(start + length)
             # NaN in fresh cells: a read before the step's own write shows as a wrong token.
             index = torch.from_numpy(cells).to(executor.device)
-            for pool in executor.pools:
-                pool.index_fill_(0, index, float("nan"))
+            for pool in executor.pools:  # FP8 pools through their bytes: 0x7F is e4m3fn's NaN (no index_fill_ there)
+                (pool.view(torch.uint8).index_fill_(0, index, 0x7F) if pool.element_size() == 1
+                 else pool.index_fill_(0, index, float("nan")))
             held.append(cells)
             wants = bool(rng.integers(0, 2))
             if start:  # the context before `start`, written by an earlier step of the same sequence
@@ -173,9 +174,16 @@ def test_every_method_matches_the_eager_model(checked, artifact):
     from pt2serve.model.sampling import ArgmaxSampler, Sampler
 
     meta, device = artifact.metadata, artifact.device
+    if meta.cache["dtype"] == "fp8":
+        pytest.skip("FP8 cells: this comparison has no eager FP8-cell reference yet (test_every_width_gives_the_"
+                    "designed_tokens_with_graphs_on_and_off checks such artifacts' tokens)")
     record = meta.raw.get("quantization")  # a quantized export is compared with the same quantized model
-    scheme = None if record is None else QuantScheme(record["bits"], record["group_size"], record["lm_head"],
-                                                     record["embedding"])
+    if record is None:
+        scheme = None
+    elif "format" in record:  # FP8 weights: per-channel e4m3, no groups
+        scheme = QuantScheme.from_flags("fp8", None, record["lm_head"], record["embedding"])
+    else:
+        scheme = QuantScheme(record["bits"], record["group_size"], record["lm_head"], record["embedding"])
     model = load_model(None, checked.preset, meta.kv_dtype, device, quantize=scheme).model
     exact = meta.kv_dtype == torch.float32
     reference = model if exact else copy.deepcopy(model).float()
