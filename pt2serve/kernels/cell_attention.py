@@ -22,8 +22,9 @@ FP8 pools (model/kv_fp8.py): cells hold e4m3 K/V divided by a scale per KV head 
 The kernel widens the e4m3 values as it loads them and folds the scales into per-program scalars: K's into
 the softmax scale, V's into the output. With a bf16 q its dots run in fp16 (q converted once per program):
 Hopper widens e4m3 pairs to fp16 in one instruction (cvt.rn.f16x2.e4m3x2) where bf16 takes a second conversion,
-and that took 10% off 64 decodes at 4k on the H200 (285 -> 256 us a layer; bf16 cells 252). Both conversions are exact (e4m3 fits fp16; bf16 q loses no mantissa in
-fp16, only range past 65,504, far beyond a projected query's values).
+and that took 10% off 64 decodes at 4k on the H200 (285 -> 256 us a layer; bf16 cells 252). Both conversions
+are exact (e4m3 fits fp16; a bf16 q loses no mantissa in fp16, only range past 65,504, far beyond a projected
+query's values).
 """
 
 from __future__ import annotations
