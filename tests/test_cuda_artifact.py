@@ -174,16 +174,13 @@ def test_every_method_matches_the_eager_model(checked, artifact):
     from pt2serve.model.sampling import ArgmaxSampler, Sampler
 
     meta, device = artifact.metadata, artifact.device
-    if meta.cache["dtype"] == "fp8":
-        pytest.skip("FP8 cells: this comparison has no eager FP8-cell reference yet (test_every_width_gives_the_"
-                    "designed_tokens_with_graphs_on_and_off checks such artifacts' tokens)")
     record = meta.raw.get("quantization")  # a quantized export is compared with the same quantized model
-    if record is None:
-        scheme = None
-    elif "format" in record:  # FP8 weights: per-channel e4m3, no groups
-        scheme = QuantScheme.from_flags("fp8", None, record["lm_head"], record["embedding"])
-    else:
-        scheme = QuantScheme(record["bits"], record["group_size"], record["lm_head"], record["embedding"])
+    if meta.cache["dtype"] == "fp8" or (record is not None and "format" in record):
+        # Its fp32 reference would need e4m3 layers and cells kept through .float(); tests/test_fp8.py compares
+        # FP8 methods with the eager FP8 model on the CPU, and the width check here checks their tokens.
+        pytest.skip("FP8 weights or cells: no fp32 reference of an FP8 model here yet")
+    scheme = None if record is None else QuantScheme(record["bits"], record["group_size"], record["lm_head"],
+                                                     record["embedding"])
     model = load_model(None, checked.preset, meta.kv_dtype, device, quantize=scheme).model
     exact = meta.kv_dtype == torch.float32
     reference = model if exact else copy.deepcopy(model).float()
