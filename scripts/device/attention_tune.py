@@ -1,11 +1,12 @@
 """On a GPU: the cell-attention kernels' speed, then their launch configs, one knob at a time from the defaults.
 
-Usage: python scripts/device/attention_tune.py [--quick] [--speed-only]
+Usage: python scripts/device/attention_tune.py [--quick] [--speed-only] [--only TEXT]
 1. Speed at the defaults: each case replayed in a CUDA graph (as the runtime runs static widths), next to the
    bytes of K/V it must read over the measured copy bandwidth, and to the masked path where that fits in memory
    (--quick leaves the masked path out).
 2. Launch configs (--speed-only leaves them out): static (decode-sized) cases vary the KV block, warps, stages,
-   split minimum and split count; dynamic (prefill-sized) cases vary the query and KV tiles, warps and stages.
+   split minimum and split count (e4m3 cells too); dynamic (prefill-sized) cases vary the query and KV tiles,
+   warps and stages. --only TEXT: only the cases of this part whose names hold TEXT (e.g. "fp8").
 Each time is one call inside a CUDA graph of 16 calls (as a step's layers run), llama-3.1-8b head shapes, bf16.
 A table per part last. Correctness at these shapes: tests/test_cuda_kernels.py (marked cuda).
 """
@@ -126,6 +127,8 @@ STATIC_CASES = {
     "T=32 ctx 64": [(63, 1)] * 32,
     "T=64 ctx 64": [(63, 1)] * 64,
     "T=64 ctx 4096": [(4095, 1)] * 64,
+    "T=32 ctx 4096 fp8 cells": [(4095, 1)] * 32,
+    "T=64 ctx 4096 fp8 cells": [(4095, 1)] * 64,
 }
 STATIC_VARIANTS = {
     "default": {},
@@ -184,17 +187,24 @@ def main() -> None:
     speed(bandwidth, "--quick" in sys.argv)
     if "--speed-only" in sys.argv:
         return
-    for cases, variants, static in ((STATIC_CASES, STATIC_VARIANTS, True), (DYNAMIC_CASES, DYNAMIC_VARIANTS, False)):
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
+    for all_cases, variants, static in ((STATIC_CASES, STATIC_VARIANTS, True),
+                                        (DYNAMIC_CASES, DYNAMIC_VARIANTS, False)):
+        cases = {name: chunks for name, chunks in all_cases.items() if only in name}
+        if not cases:
+            continue
         table = {}
         for case, chunks in cases.items():
             num_cells = sum(b + c for b, c in chunks) + 16
             step = random_step(5, chunks, num_cells, torch.bfloat16)
             base = config_for(step, static)
-            kv_bytes = sum(b + c for b, c in chunks) * KV_HEADS * HEAD_DIM * 2 * 2
+            fp8 = case.endswith("fp8 cells")
+            step, scales = with_fp8_cells(step) if fp8 else (step, (None, None))
+            kv_bytes = sum(b + c for b, c in chunks) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2)
             for name, change in variants.items():
                 config = variant(base, change)
                 try:
-                    ms = graph_ms(runner(step, config))
+                    ms = graph_ms(runner(step, config, scales))
                 except Exception as err:  # a config the compiler refuses (e.g. out of shared memory)
                     table[(case, name)] = f"error {type(err).__name__}"
                     continue
