@@ -342,6 +342,38 @@ def test_the_next_step_is_launched_before_the_last_ones_ids_are_read(toy_artifac
     assert len(overlapped) == len(launches) - 1
 
 
+def test_a_turns_events_are_flushed_once_for_all_the_requests_that_share_an_on_flush(toy_runner):
+    """on_flush runs once per engine turn, after that turn's events, however many requests share it: a server
+    wakes its event loop once a step, not once per event (serve/generation.py's EventBridge)."""
+    log: list[int | str] = []  # request index per event, "flush" per flush; both written on the engine thread
+    prompts = random_prompts(6, seed=5)
+
+    def flush() -> None:  # one callable for every request, as a server's bridge
+        log.append("flush")
+
+    handles = [toy_runner.submit(prompt, max_new_tokens=10, on_event=lambda event, i=i: log.append(i),
+                                 on_flush=flush)
+               for i, prompt in enumerate(prompts)]
+    for handle in handles:
+        handle.result(timeout=300)
+    deadline = time.monotonic() + 10
+    while log[-1] != "flush":  # the final events are flushed as the engine next waits
+        assert time.monotonic() < deadline, "the last events were never flushed"
+        time.sleep(0.01)
+    bursts, burst = [], []
+    for entry in log:
+        if entry == "flush":
+            bursts.append(burst)
+            burst = []
+        else:
+            burst.append(entry)
+    assert sorted(i for burst in bursts for i in burst) == sorted(i for i in range(6) for _ in range(10))
+    assert all(burst for burst in bursts)  # a flush always has something new to hand over
+    assert all(len(set(burst)) == len(burst) for burst in bursts)  # one step's events: one token a request
+    assert max(len(burst) for burst in bursts) == 6  # the requests decoding together come in one burst
+    assert len(bursts) <= 10 + 6  # about one flush a step: far fewer than the 60 events
+
+
 def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop(tiny_runner):
     """The token that completes a stop string is also the last one max_new_tokens allows: the text is cut
     and the finish reason is still "stop" (not "length")."""

@@ -248,10 +248,13 @@ def test_an_event_stays_one_line_for_clients_that_split_lines_like_python():
 # -- prefix reuse -------------------------------------------------------------------------------------------
 
 
-def test_engine_events_reach_the_loop_in_order_with_one_wake_up_per_burst(caplog):
-    async def deliver() -> tuple[list[int], int]:
+def test_engine_events_reach_the_loop_in_order_with_one_wake_up_per_flush(caplog):
+    """Events wait on the bridge until the engine flushes (once a step, as it is about to wait), then all of
+    them run on the loop after one wake-up: none while the engine is still committing the step."""
+    async def deliver() -> tuple[list[int], int, list[int]]:
         bridge = EventBridge(asyncio.get_running_loop())
         received, wake_ups, done = [], 0, asyncio.Event()
+        before_flush = []  # how many events had reached the loop when each burst was flushed
         run_pending = bridge._run_pending
 
         def counted() -> None:
@@ -272,18 +275,49 @@ def test_engine_events_reach_the_loop_in_order_with_one_wake_up_per_burst(caplog
             for burst in range(2):
                 for i in range(100 * burst, 100 * (burst + 1)):
                     bridge.call_soon(on_event, i)
+                time.sleep(0.05)  # the loop is idle: it would have run anything it had been woken for
+                before_flush.append(len(received))
+                bridge.flush()
+                bridge.flush()  # (a second flush before the loop has run wakes it no more)
                 time.sleep(0.05)
 
         thread = threading.Thread(target=engine)
         thread.start()
         await asyncio.wait_for(done.wait(), 10)
         thread.join()
-        return received, wake_ups
+        return received, wake_ups, before_flush
 
-    received, wake_ups = asyncio.run(deliver())
+    received, wake_ups, before_flush = asyncio.run(deliver())
     assert received == [i for i in range(200) if i != 3]  # in order; one failing callback stops no other
-    assert 2 <= wake_ups <= 10, wake_ups  # a burst wakes the loop about once, not once per event
+    assert before_flush == [0, 99]  # nothing of a burst runs before its flush
+    assert wake_ups == 2  # one wake-up per flushed burst, not one per event
     assert any("a callback that breaks" in r.getMessage() or r.exc_info for r in caplog.records)
+
+
+def test_only_text_prompts_and_grammars_wait_on_the_thread_pool(server, monkeypatch):
+    """A prompt of token ids without a grammar goes straight to the runner: each hop to the thread pool and
+    back waits for the GIL while the engine steps, and made a burst of requests late to start."""
+    from pt2serve.serve import completions
+
+    hops = []
+
+    async def counted(function, *args):
+        hops.append(function.__name__)
+        return function(*args)
+
+    monkeypatch.setattr(completions, "run_in_threadpool", counted)
+
+    def complete(prompt, **fields) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": True, **fields}
+        response = httpx.post(f"{server}/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+
+    complete([256, 72, 105])
+    assert hops == []
+    complete("Hello")
+    assert hops == ["_prompt_ids"]
+    complete([256, 72, 105], response_format={"type": "json_object"})
+    assert hops == ["_prompt_ids", "_compile_grammar"]
 
 
 def test_a_continuation_reuses_the_previous_turn_with_or_without_a_session(server):

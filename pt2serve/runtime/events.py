@@ -47,13 +47,22 @@ class Completion:
 
 
 class RequestHandle:
-    """A submitted request: iterate its events, or wait for the whole completion."""
+    """A submitted request: iterate its events, or wait for the whole completion.
 
-    def __init__(self, request_id: int, prompt_ids: list[int], on_event: Callable[[StreamEvent], None] | None):
+    `on_event` gets each event on the engine thread as it is made; `on_flush`, when given, runs on the engine
+    thread once the events made since it last ran are all delivered and the engine is about to wait (for the
+    device, or for work), once per turn however many requests share it; it must not raise. A caller that hands
+    events to another thread queues them in on_event and wakes that thread in on_flush: one wake-up per step,
+    not one per event, at a moment the engine does not need the GIL (see Delivery.flush).
+    """
+
+    def __init__(self, request_id: int, prompt_ids: list[int], on_event: Callable[[StreamEvent], None] | None,
+                 on_flush: Callable[[], None] | None = None):
         self.id = request_id
         self.prompt_ids = prompt_ids
         self._events: queue.SimpleQueue[StreamEvent] = queue.SimpleQueue()
         self._on_event = on_event
+        self.on_flush = on_flush
         self._done = threading.Event()
         self._token_ids: list[int] = []
         self._text: list[str] = []
@@ -121,6 +130,7 @@ class Delivery:
         self._scheduler = scheduler
         self._on_finished = on_finished
         self._live: dict[int, _Live] = {}
+        self._flushes: dict[Callable[[], None], None] = {}  # the on_flush of each handle given events since flush()
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._live
@@ -201,11 +211,26 @@ class Delivery:
         if request_id in self._live:
             self._deliver(request_id, StreamEvent(token, "", FinishReason.ERROR, error))
 
+    def flush(self) -> None:
+        """Run the on_flush of every handle given events since the last flush, each callable once.
+
+        The runner calls it right before it waits. A step's events, which the engine made while committing
+        it, then reach another thread (the server's event loop) in one batch while the engine blocks on the
+        device with the GIL released. Woken at a step's first event instead, that thread took the GIL in the
+        middle of the engine's commit and next launch, and the engine, which paces the device, waited for it
+        to let go (as long as sys.getswitchinterval(), 5 ms, when it did not block first).
+        """
+        flushes, self._flushes = self._flushes, {}
+        for flush in flushes:
+            flush()
+
     def _deliver(self, request_id: int, event: StreamEvent) -> None:
         live = self._live[request_id]
         if event.finish_reason is not None:
             del self._live[request_id]
             self._on_finished(request_id)
+        if live.handle.on_flush is not None:
+            self._flushes[live.handle.on_flush] = None
         try:
             live.handle._deliver(event)
         except Exception as err:  # a caller's callback that raises ends its own request, not the engine

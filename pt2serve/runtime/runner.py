@@ -135,6 +135,9 @@ class Runner:
         self._wakeup = threading.Event()
         self._delivery = Delivery(self.scheduler, self._on_finished)
         self._pipeline = StepPipeline(self.scheduler, executor, self._delivery)
+        # On CUDA a launch queues the step and returns; the engine waits in the next step's result(). On the
+        # CPU a launch computes the step (with the GIL released), so there it waits in the launch.
+        self._launch_is_async = executor.device.type == "cuda"
         self._held: dict[int, tuple[int, Request]] = {}  # request id -> (parent id, request) until it forks
         self._num_active = 0
         self._active_lock = threading.Lock()
@@ -169,6 +172,7 @@ class Runner:
         session_id: str | None = None,
         ignore_eos: bool = False,
         on_event: Callable[[StreamEvent], None] | None = None,
+        on_flush: Callable[[], None] | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         parent: RequestHandle | None = None,
@@ -177,6 +181,7 @@ class Runner:
     ) -> RequestHandle:
         """Queue a request; raises Pt2ServeError for a request that can never run.
 
+        `on_event` / `on_flush`: see RequestHandle.
         `logprobs` / `prompt_logprobs`: score each sampled / prompt token, with that many alternatives.
         `parent`: a request submitted before with the same prompt, whose prompt cells this one shares.
         `grammar`: what the output must match (a spec is compiled here, on the caller's thread).
@@ -216,7 +221,7 @@ class Runner:
         spec = RequestSpec(tuple(prompt_ids), max_new_tokens, sampling, frozenset(stops), tuple(stop_strings),
                            session_id, ignore_eos, logprobs, prompt_logprobs, compiled,
                            self.num_draft_tokens if speculates else 0)
-        handle = RequestHandle(next(self._ids), prompt_ids, on_event)
+        handle = RequestHandle(next(self._ids), prompt_ids, on_event, on_flush)
         with self._active_lock:
             if self._stopping:
                 raise Pt2ServeError("the runner is shut down")
@@ -275,8 +280,14 @@ class Runner:
                 if in_flight is not None:
                     self._pipeline.complete(in_flight)
                 self._shutdown()
+                self._delivery.flush()
                 return
-            launched = self._launch_next() if self.scheduler.has_work() or self._held else None
+            launched = None
+            if self.scheduler.has_work() or self._held:
+                if not self._launch_is_async:
+                    self._delivery.flush()  # the launch computes the step: the engine waits in it
+                launched = self._launch_next()
+            self._delivery.flush()  # the events of the step committed last, as the engine waits (Delivery.flush)
             if in_flight is not None:
                 self._pipeline.complete(in_flight)  # while `launched` runs on the device
             elif launched is None:

@@ -1,8 +1,8 @@
 """One request in flight, seen from the event loop: the runner's engine-thread events bridged into asyncio.
 
-The runner calls back on its engine thread; events are handed to the loop through one EventBridge, where
-each is counted (timings, metrics) and queued for whoever streams or collects the response. Metrics are
-recorded here, not by the reader, so a request whose client went away is still accounted for.
+The runner calls back on its engine thread; events are handed to the loop through one EventBridge, a step's
+at once, where each is counted (timings, metrics) and queued for whoever streams or collects the response.
+Metrics are recorded here, not by the reader, so a request whose client went away is still accounted for.
 """
 
 from __future__ import annotations
@@ -25,29 +25,39 @@ log = logging.getLogger("pt2serve.serve")
 
 
 class EventBridge:
-    """Engine-thread calls into the event loop, one wake-up per burst. A step delivers an event to each of its
-    requests at once; waking the loop for each (call_soon_threadsafe writes to its self-pipe) costs the engine
-    thread a system call per event and the loop a turn per event, 64 a step at batch 64."""
+    """Engine-thread calls into the event loop, one wake-up per engine turn. call_soon only queues; flush,
+    which the runner calls once a step's events are all made and it is about to wait (RequestHandle's
+    on_flush), wakes the loop for all of them. Waking it per event (call_soon_threadsafe writes to its
+    self-pipe) cost the engine thread a system call and the loop a turn per event, and woken at a step's
+    first event the loop took the GIL while the engine was still committing that step and launching the
+    next, which then waited for it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
         self._pending: list[tuple[Callable, tuple]] = []
+        self._woken = False  # a wake-up is queued on the loop and has not run yet
 
     def call_soon(self, callback: Callable, *args) -> None:
-        """From any thread: run callback(*args) on the loop, in call order."""
+        """From any thread: queue callback(*args) to run on the loop, in call order, at the next flush."""
         with self._lock:
-            wake = not self._pending
             self._pending.append((callback, args))
-        if wake:
-            try:
-                self._loop.call_soon_threadsafe(self._run_pending)
-            except RuntimeError:
-                pass  # the loop is closed: the server is gone and nobody waits for these
+
+    def flush(self) -> None:
+        """From any thread: wake the loop to run what is queued (once, however often it is called before)."""
+        with self._lock:
+            if self._woken or not self._pending:
+                return
+            self._woken = True
+        try:
+            self._loop.call_soon_threadsafe(self._run_pending)
+        except RuntimeError:
+            pass  # the loop is closed: the server is gone and nobody waits for these
 
     def _run_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
+            self._woken = False
         for callback, args in pending:
             try:
                 callback(*args)
@@ -88,6 +98,7 @@ class Generation:
         self.handle = self._runner.submit(
             prompt_ids, max_new_tokens=max_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
             stop_strings=stop, session_id=session_id, ignore_eos=ignore_eos, on_event=self._from_engine,
+            on_flush=self._bridge.flush,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             parent=self.shares_prompt_of.handle if self.shares_prompt_of is not None else None, grammar=grammar,
             speculate=speculate,
