@@ -19,6 +19,7 @@ from pt2serve.model.presets import (
     build_preset_model,
     byte_tokenizer_files,
     get_preset,
+    toy_copy_continuation,
     toy_greedy_continuation,
     toy_recall_continuation,
     toy_successor,
@@ -59,25 +60,53 @@ def test_toy_greedy_8b_keeps_the_design_through_its_32_layers_in_bf16(monkeypatc
     assert greedy_generate(model, prompt, 8) == toy_greedy_continuation(prompt, 8)
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# toy-recall and toy-copy: the same design, the byte read back followed by its successor or by itself.
+RECALLING = {"toy-recall": (toy_successor, toy_recall_continuation),
+             "toy-copy": (lambda byte: byte, toy_copy_continuation)}
+
+
+@pytest.fixture(scope="module", params=[(preset, dtype) for preset in RECALLING
+                                        for dtype in (torch.float32, torch.bfloat16)],
+                ids=lambda param: f"{param[0]}-{str(param[1]).removeprefix('torch.')}")
 def recall_model(request):
-    return build_preset_model("toy-recall", request.param).eval()
+    preset, dtype = request.param
+    return preset, build_preset_model(preset, dtype).eval()
 
 
 def test_toy_recall_reads_each_next_token_from_the_context(recall_model):
     """At every position of random prompts up to the test artifacts' max context, the next token is the
-    successor of the one RECALL_LAG positions back (of the first, nearer the start), by a wide margin; and
-    generating (each new token's K/V written and read back) continues as toy_recall_continuation."""
+    follower (toy-recall: successor; toy-copy: the byte itself) of the one RECALL_LAG positions back (of the
+    first, nearer the start), by a wide margin; and generating (each new token's K/V written and read back)
+    continues as the preset's continuation."""
+    preset, model = recall_model
+    follower, continuation = RECALLING[preset]
     rng = random.Random(1)
     for length in (TEST_MAX_CONTEXT, 150, 40, RECALL_LAG + 1, RECALL_LAG, 2, 1):
         prompt = [rng.randrange(BYTE_VOCAB_SIZE) for _ in range(length)]
-        top2 = EagerSequence(recall_model, length).extend(prompt).topk(2, dim=-1)
-        designed = [toy_successor(prompt[max(i - RECALL_LAG, 0)]) for i in range(length)]
+        top2 = EagerSequence(model, length).extend(prompt).topk(2, dim=-1)
+        designed = [follower(prompt[max(i - RECALL_LAG, 0)] % 256) for i in range(length)]
         assert top2.indices[:, 0].tolist() == designed, length
         assert (top2.values[:, 0] - top2.values[:, 1]).min() > 5.0
     for length in (1, 3, 30):
         prompt = [256] + [rng.randrange(256) for _ in range(length - 1)]
-        assert greedy_generate(recall_model, prompt, 40) == toy_recall_continuation(prompt, 40)
+        assert greedy_generate(model, prompt, 40) == continuation(prompt, 40)
+
+
+def test_toy_copy_repeats_its_prompts_tail_so_context_lookups_draft_it():
+    """toy-copy's continuation is the prompt's last RECALL_LAG + 1 tokens over and over: once that span has been
+    generated once, an n-gram lookup in the context proposes every next token right."""
+    from pt2serve.runtime.drafter import NgramDrafter
+
+    prompt = [random.Random(3).randrange(256) for _ in range(50)]
+    period = RECALL_LAG + 1
+    out = toy_copy_continuation(prompt, 5 * period)
+    assert out == (prompt[-period:] * 5)
+    drafter, text = NgramDrafter(), prompt + out[:2 * period]
+    for _ in range(10):
+        drafts = drafter.propose(text, 4)
+        want = toy_copy_continuation(text, 4)
+        assert list(drafts) == want
+        text += want
 
 
 @pytest.mark.parametrize("preset, margin", [("toy-recall", 0.13), ("toy-recall-8b", 0.18)])
@@ -149,17 +178,20 @@ def test_toy_recall_follows_a_corrupted_kv_cell():
     assert int(logits.argmax()) == toy_successor(prompt[other - half]) != toy_successor(prompt[newest - RECALL_LAG])
 
 
-def test_toy_recall_8b_keeps_the_design_through_its_32_layers_in_bf16(monkeypatch):
-    """toy-recall-8b is llama-3.1-8b's shape; its design, with the 8B's head size, rotary frequencies and depth
-    at an eighth of the width (the full model does not fit a test), reads the designed tokens in bf16."""
-    assert CONFIGS["toy-recall-8b"] == CONFIGS["llama-3.1-8b"] and get_preset("toy-recall-8b").tokenizer is None
-    narrow = dataclasses.replace(CONFIGS["toy-recall-8b"], hidden_size=512, intermediate_size=1792, num_heads=8,
+@pytest.mark.parametrize("preset", ["toy-recall", "toy-copy"])
+def test_toy_recall_8b_keeps_the_design_through_its_32_layers_in_bf16(monkeypatch, preset):
+    """toy-recall-8b (toy-copy-8b) is llama-3.1-8b's shape; its design, with the 8B's head size, rotary
+    frequencies and depth at an eighth of the width (the full model does not fit a test), reads the designed
+    tokens in bf16."""
+    name, (follower, _) = f"{preset}-8b", RECALLING[preset]
+    assert CONFIGS[name] == CONFIGS["llama-3.1-8b"] and get_preset(name).tokenizer is None
+    narrow = dataclasses.replace(CONFIGS[name], hidden_size=512, intermediate_size=1792, num_heads=8,
                                  num_kv_heads=2, vocab_size=1024)
-    monkeypatch.setitem(CONFIGS, "toy-recall-8b", narrow)
-    model = build_preset_model("toy-recall-8b", torch.bfloat16).eval()
+    monkeypatch.setitem(CONFIGS, name, narrow)
+    model = build_preset_model(name, torch.bfloat16).eval()
     prompt = list(range(0, 258, 5))
     top2 = EagerSequence(model, 64).extend(prompt).topk(2, dim=-1)
-    assert top2.indices[:, 0].tolist() == [toy_successor(prompt[max(i - RECALL_LAG, 0)]) for i in range(len(prompt))]
+    assert top2.indices[:, 0].tolist() == [follower(prompt[max(i - RECALL_LAG, 0)] % 256) for i in range(len(prompt))]
     assert (top2.values[:, 0] - top2.values[:, 1]).min() > 5.0
 
 

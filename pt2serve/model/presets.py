@@ -13,6 +13,9 @@ others with weights generated from a fixed seed.
   cell it reads does (written to the wrong cell, reused from the wrong prefix, lost in a preemption), which
   toy-greedy's output, following from the newest token alone, survives.
 - toy-recall-8b: llama-3.1-8b's shape with toy-recall's design (token ids only).
+- toy-copy, toy-copy-8b: toy-recall's design with the token RECALL_LAG positions back copied, not succeeded
+  (see `toy_copy_continuation`): the output repeats the prompt's last RECALL_LAG + 1 tokens, so drafts that
+  look the text up in its context (n-gram) are right for the reason they exist, read through attention.
 - llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, qwen3-8b: the published shapes with random weights, for benchmarks.
 """
 
@@ -64,6 +67,10 @@ CONFIGS: dict[str, ModelConfig] = {
         architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB_SIZE, hidden_size=128, intermediate_size=128,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512,
     ),
+    "toy-copy": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB_SIZE, hidden_size=128, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512,
+    ),
     "llama-3.2-1b": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
         num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072,
@@ -87,8 +94,9 @@ CONFIGS: dict[str, ModelConfig] = {
 }
 CONFIGS["toy-greedy-8b"] = CONFIGS["llama-3.1-8b"]
 CONFIGS["toy-recall-8b"] = CONFIGS["llama-3.1-8b"]
+CONFIGS["toy-copy-8b"] = CONFIGS["llama-3.1-8b"]
 PRESET_NAMES = tuple(CONFIGS)
-_WITH_BYTE_TOKENIZER = ("tiny-random", "toy-greedy", "toy-recall")
+_WITH_BYTE_TOKENIZER = ("tiny-random", "toy-greedy", "toy-recall", "toy-copy")
 # Presets whose tokenizer.json and model.safetensors were trained once and ship in the package (package data in
 # pyproject.toml), each in TRAINED_DIR / name.
 TRAINED_DIR = Path(__file__).with_name("trained")
@@ -224,6 +232,15 @@ def toy_recall_continuation(prompt: list[int], num_tokens: int) -> list[int]:
     return tokens[len(prompt):]
 
 
+def toy_copy_continuation(prompt: list[int], num_tokens: int) -> list[int]:
+    """toy-copy's greedy tokens: each is the byte of the token RECALL_LAG positions before the newest one (bos and
+    eos read as their byte, as in toy-recall), or of the first token while there are fewer."""
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        tokens.append(tokens[max(len(tokens) - 1 - RECALL_LAG, 0)] % NUM_BYTES)
+    return tokens[len(prompt):]
+
+
 def _byte_code(token: int) -> torch.Tensor:
     code = torch.zeros(_CODE_DIMS)
     byte = token % NUM_BYTES
@@ -253,11 +270,14 @@ def _lag_query_and_key(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return query.float(), key.float()
 
 
-def _fill_toy_recall(model: Transformer, generator: torch.Generator, signal: float) -> None:
+def _fill_toy_recall(
+    model: Transformer, generator: torch.Generator, signal: float, follower: Callable[[int], int] = toy_successor
+) -> None:
     """Embeddings hold the token's code and the bias, each entry `signal`. In layer l, query head 0 and its
     KV head 0 look _LAYER_LAG positions back (see _lag_query_and_key): the value is the code held there (the
     token's own in layer 0, layer 0's copy in layer 1), which o_proj adds, times `signal`, at _COPIES[l]. The
-    LM head maps the code at _COPIES[-1] to its byte's successor: logit 16 against at most 8 for any other.
+    LM head maps the code at _COPIES[-1] to its byte's follower (toy-recall: its successor; toy-copy: the byte
+    itself): logit 16 against at most 8 for any other.
 
     Every other weight is small and random as in toy-greedy, so those paths are exercised (toy-recall-8b: 32
     layers and signal 64, as toy-greedy-8b). How many designed entries the residual holds is known at each
@@ -297,7 +317,11 @@ def _fill_toy_recall(model: Transformer, generator: torch.Generator, signal: flo
     margin = 8.0
     model.lm_head.weight.zero_()
     for byte in range(NUM_BYTES):
-        model.lm_head.weight[toy_successor(byte), _COPIES[-1]] = codes[byte] * margin / normalised(len(_COPIES))
+        model.lm_head.weight[follower(byte), _COPIES[-1]] = codes[byte] * margin / normalised(len(_COPIES))
+
+
+def _fill_toy_copy(model: Transformer, generator: torch.Generator, signal: float) -> None:
+    _fill_toy_recall(model, generator, signal, follower=lambda byte: byte)
 
 
 # The designed presets: how their weights are filled, and the size of the signal their embedding writes into
@@ -307,6 +331,8 @@ _DESIGNED = {
     "toy-greedy-8b": (_fill_toy_greedy, 64.0),
     "toy-recall": (_fill_toy_recall, 1.0),
     "toy-recall-8b": (_fill_toy_recall, 64.0),
+    "toy-copy": (_fill_toy_copy, 1.0),
+    "toy-copy-8b": (_fill_toy_copy, 64.0),
 }
 # Each designed preset's greedy tokens: continuation(prompt, count).
 DESIGNED_CONTINUATIONS: dict[str, Callable[[list[int], int], list[int]]] = {
@@ -314,6 +340,8 @@ DESIGNED_CONTINUATIONS: dict[str, Callable[[list[int], int], list[int]]] = {
     "toy-greedy-8b": toy_greedy_continuation,
     "toy-recall": toy_recall_continuation,
     "toy-recall-8b": toy_recall_continuation,
+    "toy-copy": toy_copy_continuation,
+    "toy-copy-8b": toy_copy_continuation,
 }
 
 

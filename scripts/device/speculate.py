@@ -8,7 +8,8 @@ Usage: python scripts/device/speculate.py ARTIFACT.pt2 [--seconds S] [--num-draf
    long, and it generates NEW_TOKENS more: the text the model writes itself, which repeats wherever its greedy
    text loops (a small random model's loops soon; random weights of the 8B's size never repeat themselves, and
    do not continue a pasted pattern either: on them this measures what speculation costs when it finds
-   nothing; the toy-greedy-8b preset has the 8B's cost and text that repeats). Output tokens/s with
+   nothing; toy-greedy-8b has the 8B's cost and text that repeats, toy-copy-8b text that copies its own context
+   through attention, as retrieval and editing traffic does). Output tokens/s with
    --speculate ngram against none, at batch 1 and 32, the mean tokens a verifying step emitted, the steps
    launched and (GPU) the share of the time the device was busy: what the runner adds between steps.
 Prints one markdown table last. Parts that would run past --seconds are left out (the table says so).
