@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh "[test,ray]"  # ray: the replica tests (tests/test_ray_*.py) run on a local Ray cluster
-exec "$VENV/bin/python" -m pytest -q "$@"
+# Two pytest-xdist workers, a test file each at a time in conftest.py's order (the files with exports of their
+# own first); they share the session's exported artifacts (tests/conftest.py). -n 0 runs in one process.
+exec "$VENV/bin/python" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -3,7 +3,9 @@ server over it, once per test module; the designed presets (toy-greedy, and toy-
 wrong whenever a K/V cell is) for the tests of exact tokens that run on both.
 
 Set PT2SERVE_TEST_ARTIFACTS=DIR to keep the exports in DIR and reuse them across runs (delete the files
-after changing model or export code).
+after changing model or export code). Under pytest-xdist (./scripts/test.sh runs two workers, a test file
+each at a time) the workers share one folder of exports: whichever needs an artifact first exports it while
+the other waits for it on a file lock.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from filelock import FileLock  # noqa: E402
 
 from pt2serve.export.exporter import export  # noqa: E402
 from pt2serve.export.options import ExportOptions  # noqa: E402
@@ -39,6 +42,11 @@ TEST_MAX_CELLS = 4096
 # force static methods).
 RECALL_FORWARD_SIZES = (4, 32)
 DESIGNED_PRESETS = ("toy-greedy", "toy-recall")
+# Compile workers of a test export. In a run of its own, two workers keep both cores compiling; under
+# pytest-xdist two test processes already share the cores, so each compiles in process, which spares
+# starting two worker interpreters per export (about 20 s of CPU each time on 2 cores).
+IS_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+TEST_EXPORT_JOBS = 1 if IS_XDIST_WORKER else 2
 
 
 def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
@@ -50,7 +58,7 @@ def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
         max_context=TEST_MAX_CONTEXT,
         max_step_tokens=TEST_MAX_STEP_TOKENS,
         max_cells=TEST_MAX_CELLS,
-        jobs=2,
+        jobs=TEST_EXPORT_JOBS,
     )
 
 
@@ -70,14 +78,27 @@ def stop_at_token(deltas: list[str], first: int = 5) -> tuple[int, str, str]:
     pytest.fail(f"no token ends a fresh stop string in {deltas}")
 
 
-def exported(name: str, options_for: Callable[[Path], ExportOptions], tmp_path_factory) -> Path:
-    """The artifact `name`, exported with `options_for(path)` unless PT2SERVE_TEST_ARTIFACTS already holds it."""
+def artifact_folder(tmp_path_factory) -> Path:
+    """PT2SERVE_TEST_ARTIFACTS, else one folder for this run (under pytest-xdist, beside the workers' own)."""
     keep = os.environ.get("PT2SERVE_TEST_ARTIFACTS")
-    folder = Path(keep) if keep else tmp_path_factory.mktemp("artifacts")
+    if keep:
+        return Path(keep)
+    run_temp = tmp_path_factory.getbasetemp()
+    return (run_temp.parent if IS_XDIST_WORKER else run_temp) / "artifacts"
+
+
+def exported(name: str, options_for: Callable[[Path], ExportOptions], tmp_path_factory) -> Path:
+    """The artifact `name`, exported with `options_for(path)` unless the artifact folder already holds it.
+
+    Once per run (and per folder): the lock makes a second process wait for the export the first one started.
+    The package appears at its path only when complete (the exporter renames it there).
+    """
+    folder = artifact_folder(tmp_path_factory)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.pt2"
-    if not path.exists():
-        export(options_for(path), show_progress=False)
+    with FileLock(folder / f"{name}.lock"):
+        if not path.exists():
+            export(options_for(path), show_progress=False)
     return path
 
 
@@ -304,7 +325,16 @@ def served(runner, model_name: str):
     return ServerThread(create_app(ServerConfig(model_name=model_name), runner)).start()
 
 
+# Files that export artifacts of their own or run longest, in this order before the others: under pytest-xdist
+# (--dist loadfile --no-loadscope-reorder) each worker takes the next file when it is almost done with its
+# last, so the two start on the long exports and the short files fill in at the end.
+RUN_FIRST = ("test_quant_export.py", "test_hf_served.py", "test_dflash.py", "test_export_flags.py",
+             "test_fp8_checkpoint.py", "test_fp8.py", "test_soak.py", "test_quant_kernels.py", "test_cell_attention.py")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixtures, which keeps each file together
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: RUN_FIRST.index(item.path.name) if item.path.name in RUN_FIRST else len(RUN_FIRST))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

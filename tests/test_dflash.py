@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from commands import run_in_one_interpreter
-from conftest import TEST_MAX_CELLS, TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS, exported, random_prompts
+from conftest import TEST_EXPORT_JOBS, TEST_MAX_CELLS, TEST_MAX_CONTEXT, TEST_MAX_STEP_TOKENS, exported, random_prompts
 from pt2serve.contract import SCRATCH_CELL
 from pt2serve.errors import Pt2ServeError
 from pt2serve.export.options import ExportOptions
@@ -178,8 +178,8 @@ def dflash_artifact(tmp_path_factory, draft_dir) -> Path:
     def options(path: Path) -> ExportOptions:
         return ExportOptions(backend="cpu", output=path, preset="tiny-random", dtype="fp32",
                              max_context=TEST_MAX_CONTEXT, max_step_tokens=TEST_MAX_STEP_TOKENS,
-                             max_cells=TEST_MAX_CELLS, jobs=2, forward_sizes=FORWARD_SIZES, draft=draft_dir,
-                             draft_sizes=DRAFT_SIZES)
+                             max_cells=TEST_MAX_CELLS, jobs=TEST_EXPORT_JOBS, forward_sizes=FORWARD_SIZES,
+                             draft=draft_dir, draft_sizes=DRAFT_SIZES)
 
     return exported("tiny-random-dflash", options, tmp_path_factory)
 

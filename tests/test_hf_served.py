@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from starlette.testclient import TestClient  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
-from conftest import exported  # noqa: E402
+from conftest import TEST_EXPORT_JOBS, exported  # noqa: E402
 from pt2serve.export.options import ExportOptions  # noqa: E402
 from pt2serve.runtime.engine import open_runner  # noqa: E402
 from pt2serve.runtime.runner import RunnerConfig  # noqa: E402
@@ -166,7 +166,8 @@ def served(request, tmp_path_factory) -> Served:
 
     def options(path: Path) -> ExportOptions:
         return ExportOptions(backend="cpu", output=path, checkpoint=folder, dtype="fp32", forward_sizes=(1,),
-                             max_context=MAX_CONTEXT, max_step_tokens=32, max_cells=1024, jobs=2)
+                             max_context=MAX_CONTEXT, max_step_tokens=32, max_cells=1024,
+                             jobs=TEST_EXPORT_JOBS)
 
     artifact = exported(f"hf-{name}", options, tmp_path_factory)
     runner = open_runner(artifact, runner_config=RunnerConfig(token_budget=32))
