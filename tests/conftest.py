@@ -10,14 +10,26 @@ the other waits for it on a file lock.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import random
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
-import torch
+# Inductor's cache folder is shared by every process of the user and names compiled files after their source,
+# so two exports compiling the same method at once (two pytest-xdist workers, or two test runs on one machine:
+# the samplers of toy-greedy and toy-recall are the same code) write the same files, and one can package an
+# empty library. Each test process compiles in a folder of its own (its export workers and CLI exports inherit
+# it); the precompiled headers stay in the shared folder.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pt2serve-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+import torch  # noqa: E402
 
 # Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU). The flag is read when Triton
 # is imported (by anything: torch's compiler imports it too), so it is set before any test module loads.
