@@ -5,7 +5,8 @@ wrong whenever a K/V cell is) for the tests of exact tokens that run on both.
 Set PT2SERVE_TEST_ARTIFACTS=DIR to keep the exports in DIR and reuse them across runs (delete the files
 after changing model or export code). Under pytest-xdist (./scripts/test.sh runs two workers, a test file
 each at a time) the workers share one folder of exports: whichever needs an artifact first exports it while
-the other waits for it on a file lock.
+the other waits for it on a file lock. In-process exports of one run compile each sampling method once per
+vocabulary and share it (tests/shared_samplers.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pt2serve.model.presets import build_preset_model, toy_greedy_continuation, 
 from pt2serve.runtime.engine import open_runner  # noqa: E402
 from pt2serve.runtime.executor import ExecutorConfig  # noqa: E402
 from pt2serve.runtime.runner import RunnerConfig  # noqa: E402
+from shared_samplers import sharing_samplers  # noqa: E402
 
 # Small enough to export quickly on 2 cores, wide enough for every width test (1..65, 96, 97, > max).
 TEST_MAX_CONTEXT = 256
@@ -112,6 +114,15 @@ def exported(name: str, options_for: Callable[[Path], ExportOptions], tmp_path_f
         if not path.exists():
             export(options_for(path), show_progress=False)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_samplers(tmp_path_factory):
+    """Every in-process export of the session compiles each sampling method once per vocabulary
+    (tests/shared_samplers.py)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        sharing_samplers(monkeypatch, artifact_folder(tmp_path_factory))
+        yield
 
 
 @pytest.fixture
