@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TEST_EXPORT_JOBS
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.presets import toy_greedy_continuation, toy_successor
 from pt2serve.runtime.artifact import load_artifact, read_metadata
@@ -47,7 +46,10 @@ def flagged_export(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]
     proc = subprocess.run(
         [PT2SERVE, "export", "--backend", "cpu", "--use-offgraph-kv-cache", "--preset", "toy-greedy", "--dtype", "bf16",
          "--forward-sizes", "4", "--max-context", "256",  # forward_4: the one static width a test runs
-         "--max-step-tokens", "16", "--max-cells", "1024", "--jobs", str(TEST_EXPORT_JOBS), "-o", str(out)],
+         # Two compile workers, whatever the run's TEST_EXPORT_JOBS: the one test export through the worker pool
+         # (spawned workers that rebuild the model), its samplers compiled by them (not shared: the subprocess
+         # runs the real entry point), so their compiler notices are checked too.
+         "--max-step-tokens", "16", "--max-cells", "1024", "--jobs", "2", "-o", str(out)],
         capture_output=True, text=True, timeout=900, env={**os.environ, "CXX": str(compiler), "COLUMNS": "200"},
     )
     assert proc.returncode == 0, proc.stderr
