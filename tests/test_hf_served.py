@@ -34,6 +34,10 @@ from test_artifact import with_metadata  # noqa: E402
 from test_hf_parity import LLAMA3_SCALING, SMALL, randomize  # noqa: E402
 
 MAX_CONTEXT = 128
+# The tokenizers' size, specials included: below what BPE can merge out of CORPUS for either family (about
+# 280), so both families reach it and their exports share one vocabulary's compiled samplers
+# (tests/shared_samplers.py).
+VOCAB_SIZE = 276
 NUM_NEW = 12
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -125,9 +129,10 @@ def train_tokenizer(family: Family) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     alphabet = [byte_level(b) for b in (9, 10, *range(32, 127))]
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=list(family.specials), initial_alphabet=alphabet,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(family.specials),
+                                  initial_alphabet=alphabet, show_progress=False)
     tokenizer.train_from_iterator(CORPUS, trainer)
+    assert tokenizer.get_vocab_size() == VOCAB_SIZE, tokenizer.get_vocab_size()
     tokenizer.add_special_tokens(list(family.specials))  # matched whole in text, skipped when decoding
     if family.bos is not None:  # as Llama 3's tokenizer.json: text is encoded with bos first
         tokenizer.post_processor = processors.TemplateProcessing(
