@@ -128,7 +128,7 @@ def test_small_m_kernels_on_e4m3_operands(kernels, num_rows, swiglu):
     if swiglu:
         gate, up = want.chunk(2, dim=-1)
         want = F.silu(gate) * up
-    for config in candidates(num_rows, swiglu):
+    for config in candidates(num_rows, swiglu, weight_bytes=1):  # the configs FP8 weights are tuned over
         got = kernels.launch(x_q.to(device), w_q.to(device), swiglu, config,
                              (x_scale.to(device), w_scale.to(device)))
         assert got.dtype == torch.bfloat16
@@ -263,3 +263,13 @@ def test_fp8_linear_on_cuda_is_its_reference(num_rows):
         for out, expected in ((got, want), (got_swiglu, want_swiglu)):
             torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1e-3 * float(expected.abs().max()),
                                        msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_fp8_weights_are_tuned_over_tiles_twice_as_deep_too():
+    """One-byte weights also get each tile with twice the columns (the same bytes per load as bf16's tiles);
+    two-byte weights keep their own tiles alone."""
+    bf16 = {(c.use_dot, c.block_n, c.block_k) for c in candidates(1, False)}
+    fp8 = {(c.use_dot, c.block_n, c.block_k) for c in candidates(1, False, weight_bytes=1)}
+    assert bf16 < fp8
+    assert {(dot, n, k // 2) for dot, n, k in fp8 - bf16} <= {(dot, n, k) for dot, n, k in bf16}
+    assert any(not dot for dot, _, _ in fp8 - bf16) and any(dot for dot, _, _ in fp8 - bf16)

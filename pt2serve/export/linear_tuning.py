@@ -191,7 +191,7 @@ def _time_fp8_shape(shape: MatmulShape, width: int, weights: list[torch.Tensor],
         return out
 
     baseline_ms = graph_replay_ms(lambda: [scaled_mm(w) for w in weights], REPLAYS) / len(weights)
-    times = _time_configs(candidates(width, swiglu), weights,
+    times = _time_configs(candidates(width, swiglu, weight_bytes=1), weights,
                           lambda config, w: small_m_linear.launch(x_q, w, swiglu, config, (x_scale, w_scale)))
     best = min(times, key=times.get, default=None)
     return Timing(shape, width, dtype, baseline_ms, best, times.get(best, float("inf")), baseline="scaled_mm")

@@ -39,20 +39,31 @@ GEMV_TILES = ((8, 256), (8, 512), (16, 256), (4, 1024))  # block_n, block_k
 DOT_TILES = ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4))  # block_n, block_k, warps, stages
 
 
-def candidates(num_rows: int, swiglu: bool) -> list[LaunchConfig]:
-    """The launch configs worth timing for M = num_rows <= SMALL_M_MAX."""
+def candidates(num_rows: int, swiglu: bool, weight_bytes: int = 2) -> list[LaunchConfig]:
+    """The launch configs worth timing for M = num_rows <= SMALL_M_MAX, with weights of `weight_bytes` bytes
+    an element (2: bf16 / fp16, 1: e4m3)."""
     configs = []
     if num_rows <= GEMV_M_MAX:
         block_m = _next_power_of_2(num_rows)
         products_per_tile = 2 if swiglu else 1
-        for block_n, block_k in GEMV_TILES:
+        for block_n, block_k in _per_weight_bytes(GEMV_TILES, weight_bytes):
             for num_warps in (4, 8):
                 if block_m * block_n * block_k * products_per_tile <= GEMV_PRODUCTS_MAX * num_warps // 4:
                     configs.append(LaunchConfig(False, block_m, block_n, block_k, num_warps))
     block_m = max(16, _next_power_of_2(num_rows))
-    for block_n, block_k, num_warps, num_stages in DOT_TILES:
+    for block_n, block_k, num_warps, num_stages in _per_weight_bytes(DOT_TILES, weight_bytes):
         configs.append(LaunchConfig(True, block_m, block_n, block_k, num_warps, num_stages))
     return configs
+
+
+def _per_weight_bytes(tiles: tuple[tuple[int, ...], ...], weight_bytes: int) -> list[tuple[int, ...]]:
+    """The tiles (block_n, block_k, ...), sized for 2-byte weights, and for 1-byte weights those tiles again
+    with twice the columns: the same bytes in flight per load. On the H200 the e4m3 gemv with bf16's tiles
+    streamed its weights at 66% of the copy bandwidth where bf16's reach 85% (docs/benchmarks.md)."""
+    if weight_bytes == 2:
+        return list(tiles)
+    wide = [(block_n, block_k * 2, *rest) for block_n, block_k, *rest in tiles]
+    return list(tiles) + [tile for tile in wide if tile not in tiles]
 
 
 def _next_power_of_2(n: int) -> int:
