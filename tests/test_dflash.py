@@ -225,11 +225,9 @@ def test_the_artifact_drafts_what_the_eager_model_drafts(dflash_artifact, eager)
     first = executor.step([Chunk(c[:-1], tuple(p[:-1]), 0) for p, c in zip(prompts, cells)])
     assert first.tokens == (None, None, None)
     result = executor.step([Chunk(c, (p[-1],), len(p) - 1, SamplingParams()) for p, c in zip(prompts, cells)])
-    requests = [DraftRequest(p + [t], c, BLOCK - 1) for p, c, t in zip(prompts, cells, result.tokens)]
-    drafts = executor.draft.propose_batch(requests)
-    assert [list(d) for d in drafts] == _eager_drafts(eager, list(zip(prompts, result.tokens)), BLOCK - 1)
-    assert [len(d) for d in executor.draft.propose_batch([DraftRequest(r.tokens, r.cells, 2) for r in requests])] \
-        == [2, 2, 2]
+    requests = [DraftRequest(t, c, BLOCK - 1) for c, t in zip(cells, result.tokens)]
+    drafts = executor.draft.draft_on_device(requests)
+    assert drafts.tolist() == _eager_drafts(eager, list(zip(prompts, result.tokens)), BLOCK - 1)
 
 
 @pytest.mark.parametrize("num_draft_tokens", [1, BLOCK - 1])
@@ -272,23 +270,26 @@ def test_dflash_needs_an_artifact_with_a_draft_and_a_block_wide_enough(tiny_arti
 
 class RecordingOracle:
     """Runs the artifact's draft and records its proposals, but proposes the known greedy continuation wrong at
-    index `accept`: verifying steps accept some drafts and reject others, and the draft context must stay right."""
+    index `accept`: verifying steps accept some drafts and reject others, and the draft context must stay right.
+    A device drafter: its proposals go to the device, as the real draft's do."""
 
     def __init__(self, truth: list[int], accept: int) -> None:
         self.dflash = None  # the runner's executor's draft, once it exists
         self.truth, self.accept = truth, accept
         self.seen: list[tuple[list[int], tuple[int, ...]]] = []
 
-    def propose_batch(self, requests):
-        real = self.dflash.propose_batch(requests)
-        self.seen += [(list(r.tokens), drafts) for r, drafts in zip(requests, real)]
+    def draft_on_device(self, requests):
+        real = self.dflash.draft_on_device(requests).tolist()  # (a test may wait for them)
+        width = max(r.max_drafts for r in requests)
         proposals = []
-        for r in requests:
-            drafts = list(self.truth[len(r.tokens):len(r.tokens) + r.max_drafts])
+        for r, drafted in zip(requests, real):
+            position = len(r.cells)  # of the pending token: the truth holds every token before it
+            self.seen.append((self.truth[:position] + [r.last_token], tuple(drafted[:r.max_drafts])))
+            drafts = list(self.truth[position + 1:position + 1 + width])
             if self.accept < len(drafts):
                 drafts[self.accept] = (drafts[self.accept] + 1) % 258
-            proposals.append(tuple(drafts))
-        return proposals
+            proposals.append(drafts + [0] * (width - len(drafts)))
+        return torch.tensor(proposals)
 
 
 def test_the_draft_context_follows_accepted_and_rejected_drafts(dflash_artifact, eager):

@@ -1,5 +1,6 @@
 """DFlash drafting at run time: the draft's cell pool, its context written with every forward, and blocks
-drafted for the speculating sequences in static calls (captured in CUDA graphs on the GPU).
+drafted for the speculating sequences in static calls (captured in CUDA graphs on the GPU). The executor
+drafts as it launches a verifying step, and the drafts stay on the device (drafter.py).
 
 The draft pool (see contract.py) mirrors the target's cells, then holds block_size block cells per slot of
 the widest draft method:
@@ -66,8 +67,9 @@ class DFlashDrafter:
         """Project a forward's tapped hidden states into the draft cells of its tokens (queued, in place)."""
         self.artifact.run(DRAFT_CONTEXT, [taps, positions, write_cells, *self.pools])
 
-    def propose_batch(self, requests: list[DraftRequest]) -> list[tuple[int, ...]]:
-        """Each request's drafts: the argmax of its block's positions 1 .. max_drafts (one host sync in all)."""
+    def draft_on_device(self, requests: list[DraftRequest]) -> torch.Tensor:
+        """Each request's block drafted: [len(requests), block_size - 1], the argmax of its block's positions
+        1 .. block_size - 1, on the device (queued; nothing waits for it)."""
         outputs = []
         for group in self._groups(requests):
             num_seqs = self._size_for(group)
@@ -76,8 +78,7 @@ class DFlashDrafter:
             method.load(host)
             # Under a graph the output is a fixed buffer that the next replay overwrites: keep a copy.
             outputs.append(method.run()[: len(group)].clone())
-        ids = torch.cat(outputs).cpu().tolist()
-        return [tuple(row[: r.max_drafts]) for r, row in zip(requests, ids)]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _groups(self, requests: list[DraftRequest]) -> list[list[DraftRequest]]:
         """Consecutive groups, each as many sequences as one call holds (by slots and by entry capacity)."""
@@ -107,8 +108,7 @@ class DFlashDrafter:
         for slot in range(num_seqs):
             context = group[slot].cells if slot < len(group) else ()
             if slot < len(group):
-                assert len(group[slot].tokens) == len(context) + 1, "drafting needs every token but the last computed"
-                last_tokens[slot] = group[slot].tokens[-1]
+                last_tokens[slot] = group[slot].last_token
             seq_cells[at:at + len(context)] = context
             at += len(context)
             seq_cells[at:at + block] = np.arange(block) + self.first_block_cell + slot * block

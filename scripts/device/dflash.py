@@ -21,6 +21,9 @@ import json
 import random
 import time
 
+import numpy as np
+import torch
+
 from pt2serve.bench.roofline import measure_limits
 from pt2serve.runtime.artifact import load_artifact
 from pt2serve.runtime.drafter import DraftRequest
@@ -34,7 +37,8 @@ NUM_CELLS = 4096  # per executor: two share the device
 
 class OracleDrafter:
     """The artifact's DFlash draft runs (its cost is real), then its proposals are replaced by the known greedy
-    continuation, corrupted at index `accept` (none corrupted when accept >= the drafts asked for)."""
+    continuation, corrupted at index `accept` (none corrupted when accept >= the drafts asked for). A device
+    drafter, as the real draft is: its proposals go up without a wait, and the host never reads them back."""
 
     def __init__(self, dflash, truth: list[int], accept: int, vocab_size: int) -> None:
         self.dflash = dflash
@@ -43,15 +47,20 @@ class OracleDrafter:
         self.accept = accept
         self.vocab_size = vocab_size
 
-    def propose_batch(self, requests: list[DraftRequest]) -> list[tuple[int, ...]]:
-        self.dflash.propose_batch(requests)
-        proposals = []
-        for request in requests:
-            drafts = list(self.truth[len(request.tokens):len(request.tokens) + request.max_drafts])
+    def draft_on_device(self, requests: list[DraftRequest]) -> torch.Tensor:
+        real = self.dflash.draft_on_device(requests)
+        width = real.shape[1]
+        proposals = np.zeros((len(requests), width), dtype=np.int64)
+        for row, request in enumerate(requests):
+            position = len(request.cells)  # of the pending token
+            drafts = list(self.truth[position + 1:position + 1 + request.max_drafts])
             if self.accept < len(drafts):
                 drafts[self.accept] = (drafts[self.accept] + 1) % self.vocab_size
-            proposals.append(tuple(drafts))
-        return proposals
+            proposals[row, :len(drafts)] = drafts
+        proposals = torch.from_numpy(proposals)
+        if real.device.type != "cuda":
+            return proposals
+        return proposals.pin_memory().to(real.device, non_blocking=True)
 
 
 def timed(executor: Executor, prompt: list[int], config: RunnerConfig, drafter=None) -> dict:
