@@ -35,10 +35,10 @@ class Speculation(enum.Enum):
 
 @dataclass(frozen=True)
 class DraftRequest:
-    """One sequence a device drafter drafts for: its pending token (position len(cells), its K/V not computed
-    yet) and the cells of positions 0 .. len(cells) - 1."""
+    """One sequence a device drafter drafts for: the cells of the positions before its pending token (whose K/V
+    is not computed yet). A sequence planned behind a verify still in flight lists them for all its drafts
+    accepted: its context is as many cells shorter as that verify rejects (known on the device)."""
 
-    last_token: int
     cells: np.ndarray
     max_drafts: int
 
@@ -50,8 +50,12 @@ class Drafter(Protocol):
 
 
 class DeviceDrafter(Protocol):
-    def draft_on_device(self, requests: list[DraftRequest]) -> torch.Tensor:
-        """Each request's drafts, [len(requests), at least max max_drafts] int64 on the device (not waited for)."""
+    def draft_on_device(self, requests: list[DraftRequest], last_tokens: torch.Tensor,
+                        shortfall: torch.Tensor | None) -> torch.Tensor:
+        """Each request's drafts, [len(requests), at least max max_drafts] int64 on the device (not waited for).
+        `last_tokens` [len(requests)]: each one's pending token; `shortfall` [len(requests)] (None: zeros): how
+        many of its listed cells (<= 0) its context really has fewer, so its pending token is at position
+        len(cells) + shortfall. Both on the device."""
         ...
 
 

@@ -17,8 +17,9 @@ A verifying chunk (Chunk.drafts) is judged by the artifact's acceptance method a
 back as the tokens its sequence emits (verify.py); the caller commits only those. A decode that follows it
 in the next step, planned before that is known and as if every draft were accepted, is completed here on
 the device: its first token is the last one emitted, its positions and write cells move back by the drafts
-rejected. Drafts of a device drafter (DFlash) are drafted at launch and copied into the step's token rows and
-the acceptance inputs on the device; the host never reads them.
+rejected. Drafts of a device drafter (DFlash) are drafted at launch (behind a verify: from its last token and
+a context as much shorter, on the device) and copied into the step's token rows and the acceptance inputs
+on the device; the host never reads them.
 """
 
 from __future__ import annotations
@@ -426,14 +427,25 @@ class Executor:
 
     def _draft(self, chunks: list[Chunk], drafter: DeviceDrafter | None) -> _DeviceDrafts | None:
         """Draft, on the device, the chunks whose drafts are placeholders: each from its pending token and the
-        cells of the positions before it (queued before the forwards, which read the drafts)."""
+        cells of the positions before it (queued before the forwards, which read the drafts). A chunk that
+        follows the previous step's sample takes its pending token from there, and one behind a verify also
+        its context's length (moved back by the drafts rejected), on the device."""
         indices = [index for index, chunk in enumerate(chunks) if chunk.drafts_on_device]
         if not indices:
             return None
         assert drafter is not None, "drafts to be drafted on the device, and no device drafter"
-        assert all(chunks[i].previous_sample is None for i in indices), "a device draft needs its pending token"
-        ids = drafter.draft_on_device([DraftRequest(chunks[i].tokens[0], chunks[i].cells[:chunks[i].start],
-                                                    len(chunks[i].drafts)) for i in indices])
+        last = self._to_device(np.array([chunks[i].tokens[0] for i in indices], dtype=np.int64))
+        following = [row for row, i in enumerate(indices) if chunks[i].previous_sample is not None]
+        shortfall = None
+        if following:
+            followed_last, followed_shortfall = self._followed([chunks[indices[row]].previous_sample
+                                                                for row in following])
+            rows = self._to_device(np.array(following, dtype=np.int64))
+            last.index_copy_(0, rows, followed_last)
+            shortfall = torch.zeros(len(indices), dtype=torch.int64, device=self.device)
+            shortfall.index_copy_(0, rows, followed_shortfall)
+        requests = [DraftRequest(chunks[i].cells[:chunks[i].start], len(chunks[i].drafts)) for i in indices]
+        ids = drafter.draft_on_device(requests, last, shortfall)
         return _DeviceDrafts(ids, {index: row for row, index in enumerate(indices)})
 
     def _verify(self, logits: torch.Tensor, indices: tuple[int, ...], chunks: list[Chunk],
@@ -516,30 +528,43 @@ class Executor:
         """Complete, on the device, this call's chunks that follow the previous step's samples (its FORWARD_INPUTS
         `inputs`, in place): each first token is the id sampled there; a chunk behind a verifying chunk gets the
         last token that one emits, and its positions and write cells move back by the drafts it rejected."""
-        sampled = [(row, self._previous_rows[chunk]) for row, _, chunk in call.placeholders
-                   if chunk in self._previous_rows]
-        behind = [(row, count, self._previous_verified_rows[chunk]) for row, count, chunk in call.placeholders
-                  if chunk in self._previous_verified_rows]
-        assert len(sampled) + len(behind) == len(call.placeholders), "a placeholder the previous step does not fill"
+        if not call.placeholders:
+            return
+        previous = [chunk for _, _, chunk in call.placeholders]
+        last, shortfall = self._followed(previous)
         tokens, positions, write_cells, token_seq, seq_indptr, seq_cells = inputs[:6]
+        first_rows = [row for row, _, _ in call.placeholders]
+        if not any(chunk in self._previous_verified_rows for chunk in previous):
+            tokens.index_copy_(0, self._to_device(np.array(first_rows, dtype=np.int64)), last)
+            return
+        rows = [row + i for row, count, _ in call.placeholders for i in range(count)]
+        row_chunks = [n for n, (_, count, _) in enumerate(call.placeholders) for _ in range(count)]
+        index = self._to_device(np.array(first_rows + rows + row_chunks, dtype=np.int64))
+        first_rows, (rows, row_chunks) = index[:len(first_rows)], index[len(first_rows):].view(2, -1)
+        tokens.index_copy_(0, first_rows, last)
+        positions.index_add_(0, rows, shortfall.index_select(0, row_chunks))
+        # Each token's cell is its sequence's entry at its (new) position (contract.FORWARD_INPUTS).
+        entries = seq_indptr.index_select(0, token_seq.index_select(0, rows)) + positions.index_select(0, rows)
+        write_cells.index_copy_(0, rows, seq_cells.index_select(0, entries))
+
+    def _followed(self, previous: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For chunks of the previous step (by index), on the device: the last token each emits (its sample, or a
+        verify's last token), and how many positions it falls short of all its drafts accepted (0, or < 0)."""
+        last = torch.empty(len(previous), dtype=torch.int64, device=self.device)
+        shortfall = torch.zeros(len(previous), dtype=torch.int64, device=self.device)
+        sampled = [(n, self._previous_rows[c]) for n, c in enumerate(previous) if c in self._previous_rows]
+        behind = [(n, self._previous_verified_rows[c]) for n, c in enumerate(previous)
+                  if c in self._previous_verified_rows]
+        assert len(sampled) + len(behind) == len(previous), "a placeholder the previous step does not fill"
         if sampled:
             index = self._to_device(np.array(sampled, dtype=np.int64).T.copy())
-            tokens.index_copy_(0, index[0], self._previous_ids.index_select(0, index[1]))
+            last.index_copy_(0, index[0], self._previous_ids.index_select(0, index[1]))
         if behind:
-            last, shortfall = self._previous_emitted
-            first_rows = [row for row, _, _ in behind]
-            sources = [source for _, _, source in behind]
-            rows = [row + i for row, count, _ in behind for i in range(count)]
-            row_sources = [source for _, count, source in behind for _ in range(count)]
-            index = self._to_device(np.array(first_rows + sources + rows + row_sources, dtype=np.int64))
-            count = len(first_rows)
-            first_rows, sources = index[:count], index[count:2 * count]
-            rows, row_sources = index[2 * count:].view(2, -1)
-            tokens.index_copy_(0, first_rows, last.index_select(0, sources))
-            positions.index_add_(0, rows, shortfall.index_select(0, row_sources))
-            # Each token's cell is its sequence's entry at its (new) position (contract.FORWARD_INPUTS).
-            entries = seq_indptr.index_select(0, token_seq.index_select(0, rows)) + positions.index_select(0, rows)
-            write_cells.index_copy_(0, rows, seq_cells.index_select(0, entries))
+            index = self._to_device(np.array(behind, dtype=np.int64).T.copy())
+            emitted, short = self._previous_emitted
+            last.index_copy_(0, index[0], emitted.index_select(0, index[1]))
+            shortfall.index_copy_(0, index[0], short.index_select(0, index[1]))
+        return last, shortfall
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device without waiting: through pinned memory, on the current stream."""

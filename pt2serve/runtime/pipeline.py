@@ -35,6 +35,7 @@ class StepRecord:
     calls: tuple[CallRecord, ...]
     seconds: float  # from launch to its ids on the host (with a step in flight, includes waiting for it)
     device_seconds: float | None  # its own time on the GPU (None on the CPU)
+    ended: float = 0.0  # perf_counter when its ids reached the host: steps' intervals in a run
 
 
 @dataclass(frozen=True)
@@ -97,11 +98,10 @@ class StepPipeline:
         except Exception as err:
             self._fail(step.plan, err)
             return
-        seconds = time.perf_counter() - step.launched
+        ended = time.perf_counter()
         plan = step.plan
-        self.history.append(
-            StepRecord(plan.step, plan.num_tokens, plan.num_decode, result.calls, seconds, result.device_seconds)
-        )
+        self.history.append(StepRecord(plan.step, plan.num_tokens, plan.num_decode, result.calls,
+                                       ended - step.launched, result.device_seconds, ended))
         logprobs = self._collect_logprobs(plan, result)
         for event in self._scheduler.commit(plan, result.tokens, result.verified):
             if event.request_id in self._delivery:  # (not when an earlier token of the same step ended it)

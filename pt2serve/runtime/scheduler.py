@@ -29,9 +29,9 @@ A request whose verify is in flight is planned again at once, like any decode (o
 chunk starts after all those drafts, and the executor moves it back by the rejected ones on the device,
 where the accepted count is known first, its first token the last one the verify emits. A host drafter
 drafts it after a guess of what the verify emits (its drafts, then the drafter's next token); a wrong guess
-costs only that chunk's drafts. Two kinds still wait for the result, skipping one step: sampled requests
-(their draws are keyed by position, which only the device knows then) and a device drafter's (DFlash reads
-the newest token's position and context). A request whose drafter proposed nothing, or whose drafts were
+costs only that chunk's drafts; a device drafter (DFlash) drafts it on the device, after the acceptance.
+Sampled requests still wait for the result, skipping one step: their draws are keyed by position, which
+only the device knows then. A request whose drafter proposed nothing, or whose drafts were
 all rejected, decodes without drafts for 1, 2, 4 ... up to MAX_DRAFT_PAUSE steps (doubling with each such
 attempt in a row) before its drafter is asked again; an accepted draft ends the pause.
 
@@ -190,11 +190,9 @@ class Scheduler:
 
         Behind a verify, its position is known only on the device (the executor moves the chunk back by the
         rejected drafts there), so only a greedy request follows one: a sampled draw is keyed by position, on
-        the host. A request that drafts now needs a host drafter, which drafts after the guess of what the step
-        in flight emits (_propose); a device drafter reads the newest token's position and context."""
-        if self._in_flight_chunk(request).drafts and not request.spec.sampling.is_greedy:
-            return False
-        return not _drafts_now(request) or drafts_on_host(self.drafter)
+        the host. A host drafter drafts after a guess of what the step in flight emits (_propose); a device
+        drafter drafts on the device, once that is known there."""
+        return not (self._in_flight_chunk(request).drafts and not request.spec.sampling.is_greedy)
 
     def _in_flight_chunk(self, request: Request) -> ScheduledChunk | None:
         """The last plan's chunk that samples the request's newest token, while that token is unknown."""

@@ -43,24 +43,29 @@ class OracleDrafter:
     def __init__(self, dflash, truth: list[int], accept: int, vocab_size: int) -> None:
         self.dflash = dflash
         self.block_size = dflash.block_size  # the runner bounds --num-draft-tokens by it
-        self.truth = truth  # prompt + greedy output
         self.accept = accept
+        # The known continuation on the device, corrupted at `accept` past each position (prompt + greedy output,
+        # then room for a block past its end): a proposal is a gather at the pending token's position, which is
+        # known on the device alone when its request follows a verify still in flight.
+        padded = np.array(truth + [0] * self.block_size, dtype=np.int64)
+        self.truth = torch.from_numpy(padded).to(dflash.artifact.device)
         self.vocab_size = vocab_size
 
-    def draft_on_device(self, requests: list[DraftRequest]) -> torch.Tensor:
-        real = self.dflash.draft_on_device(requests)
-        width = real.shape[1]
-        proposals = np.zeros((len(requests), width), dtype=np.int64)
-        for row, request in enumerate(requests):
-            position = len(request.cells)  # of the pending token
-            drafts = list(self.truth[position + 1:position + 1 + request.max_drafts])
-            if self.accept < len(drafts):
-                drafts[self.accept] = (drafts[self.accept] + 1) % self.vocab_size
-            proposals[row, :len(drafts)] = drafts
-        proposals = torch.from_numpy(proposals)
-        if real.device.type != "cuda":
-            return proposals
-        return proposals.pin_memory().to(real.device, non_blocking=True)
+    def draft_on_device(self, requests: list[DraftRequest], last_tokens: torch.Tensor,
+                        shortfall: torch.Tensor | None) -> torch.Tensor:
+        real = self.dflash.draft_on_device(requests, last_tokens, shortfall)
+        lengths = np.array([len(r.cells) for r in requests], dtype=np.int64)
+        positions = torch.from_numpy(lengths)  # of each pending token
+        if real.device.type == "cuda":  # (from pinned memory: a pageable copy would wait for the stream)
+            positions = positions.pin_memory().to(real.device, non_blocking=True)
+        if shortfall is not None:
+            positions = positions + shortfall
+        offsets = torch.arange(1, real.shape[1] + 1, device=real.device)
+        index = (positions[:, None] + offsets[None, :]).clamp(max=self.truth.shape[0] - 1)
+        drafts = self.truth[index]
+        if self.accept < real.shape[1]:
+            drafts[:, self.accept] = (drafts[:, self.accept] + 1) % self.vocab_size
+        return drafts
 
 
 def timed(executor: Executor, prompt: list[int], config: RunnerConfig, drafter=None) -> dict:
