@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 from pt2serve.runtime.artifact import load_artifact
@@ -116,13 +117,10 @@ def generate(executor: Executor, prompts: list[list[int]], config: RunnerConfig)
     return {"tokens_per_second": tokens / seconds, "seconds": seconds,
             "tokens_per_verify_step": accepted / verifies + 1 if verifies else None, "verify_steps": verifies,
             "steps": len(records), "device_share": sum(device) / seconds if device else None,
-            "decode_steps": len(decoding), "decode_step_ms": 1000 * _median(intervals) if intervals else None,
-            "decode_device_ms": 1000 * _median(decode_device) if decode_device else None,
+            "decode_steps": len(decoding), "decode_step_ms": 1000 * statistics.median(intervals) if intervals else None,
+            "decode_device_ms": 1000 * statistics.median(decode_device) if decode_device else None,
             "decode_tokens_per_step": sum(r.num_tokens for r in decoding) / len(decoding) if decoding else None}
 
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def ngram_runs(executor: Executor, num_draft_tokens: int, deadline: float) -> dict:
