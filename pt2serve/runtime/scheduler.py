@@ -31,9 +31,9 @@ where the accepted count is known first, its first token the last one the verify
 drafts it after a guess of what the verify emits (its drafts, then the drafter's next token); a wrong guess
 costs only that chunk's drafts; a device drafter (DFlash) drafts it on the device, after the acceptance.
 Sampled requests still wait for the result, skipping one step: their draws are keyed by position, which
-only the device knows then. A request whose drafter proposed nothing, or whose drafts were
-all rejected, decodes without drafts for 1, 2, 4 ... up to MAX_DRAFT_PAUSE steps (doubling with each such
-attempt in a row) before its drafter is asked again; an accepted draft ends the pause.
+only the device knows then. A request whose drafter proposed nothing, or whose drafts were all rejected,
+decodes without drafts for 1, 2, 4 ... up to MAX_DRAFT_PAUSE steps (doubling with each such attempt in a
+row) before its drafter is asked again; an accepted draft ends the pause.
 
 Where a verifying step waited on the host before (one step in flight otherwise): a speculating request was
 planned only once its verify was back. At batch 1 every verify then ran alone: the device idle while the
@@ -237,8 +237,8 @@ class Scheduler:
         room for (the step emits up to len(drafts) + 1 tokens). A device drafter's are placeholders, drafted
         and put in place by the executor (drafter.py).
 
-        A request whose newest token is in flight (a host drafter's: see _may_follow) drafts after a guess of
-        what that step emits: its drafts, all accepted, then the drafter's next token (or that token alone,
+        With a host drafter, a request whose newest token is in flight drafts after a guess of what that step
+        emits: its drafts, all accepted, then the drafter's next token (or that token alone,
         when those drafts were themselves drafted after a wrong guess, and so are likely all rejected). With
         each request's drafts comes that guess and how many of its tokens are the step's drafts (empty for the
         others), checked when the step is committed."""
@@ -263,9 +263,10 @@ class Scheduler:
             prior = ()
             if in_flight is not None and request.off_track_step != self.step - 1:
                 prior = in_flight.drafts
-            proposal = self.drafter.propose(request.tokens + list(prior), limit + (in_flight is not None))
+            asked = limit + (in_flight is not None)  # (behind a step in flight, the first is the guess)
+            proposal = self.drafter.propose(request.tokens + list(prior), asked)
             proposed = tuple(itertools.takewhile(lambda t: t >= 0 and (vocab is None or t < vocab),
-                                                 (int(t) for t in proposal[:limit + (in_flight is not None)])))
+                                                 (int(t) for t in proposal[:asked])))
             if in_flight is None:
                 drafts[request_id] = (proposed, ())
             else:  # the first proposed token is the guess of the newest token, the rest are drafts
