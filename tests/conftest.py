@@ -268,6 +268,32 @@ def toy_server(toy_runner):
     thread.stop()
 
 
+class RecordingExecutor:
+    """The real executor, with the order of launches and result reads recorded, and each launch's chunks."""
+
+    def __init__(self, executor) -> None:
+        self._executor = executor
+        self.log: list[tuple[str, int]] = []
+        self.chunks: list[list] = []  # by launch index
+
+    def __getattr__(self, name: str):
+        return getattr(self._executor, name)
+
+    def launch(self, chunks, *args):
+        index = len(self.chunks)
+        self.log.append(("launch", index))
+        self.chunks.append(list(chunks))
+        pending = self._executor.launch(chunks, *args)
+        log = self.log
+
+        class Recorded:
+            def result(self):
+                log.append(("result", index))
+                return pending.result()
+
+        return Recorded()
+
+
 def wait_until_idle(runner, timeout_s: float = 30) -> None:
     """Until every request has finished and the runner's stats show it: the engine refreshes them once a loop,
     after its commands, so stats that show no request waiting or running were taken after the last finish."""

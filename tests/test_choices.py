@@ -91,11 +91,11 @@ def test_a_child_whose_parent_fails_computes_its_prompt_itself(chunked_runner, m
     launch = chunked_runner.executor.launch
     calls = []
 
-    def fail_first(chunks):
+    def fail_first(chunks, *args):
         calls.append(len(chunks))
         if len(calls) == 1:
             raise RuntimeError("the parent's prompt step failed")
-        return launch(chunks)
+        return launch(chunks, *args)
 
     monkeypatch.setattr(chunked_runner.executor, "launch", fail_first)
     parent = chunked_runner.submit(prompt, max_new_tokens=6, ignore_eos=True, sampling=params)

@@ -225,11 +225,9 @@ def test_the_artifact_drafts_what_the_eager_model_drafts(dflash_artifact, eager)
     first = executor.step([Chunk(c[:-1], tuple(p[:-1]), 0) for p, c in zip(prompts, cells)])
     assert first.tokens == (None, None, None)
     result = executor.step([Chunk(c, (p[-1],), len(p) - 1, SamplingParams()) for p, c in zip(prompts, cells)])
-    requests = [DraftRequest(p + [t], c, BLOCK - 1) for p, c, t in zip(prompts, cells, result.tokens)]
-    drafts = executor.draft.propose_batch(requests)
-    assert [list(d) for d in drafts] == _eager_drafts(eager, list(zip(prompts, result.tokens)), BLOCK - 1)
-    assert [len(d) for d in executor.draft.propose_batch([DraftRequest(r.tokens, r.cells, 2) for r in requests])] \
-        == [2, 2, 2]
+    requests = [DraftRequest(c, BLOCK - 1) for c in cells]
+    drafts = executor.draft.draft_on_device(requests, torch.tensor(result.tokens), None)
+    assert drafts.tolist() == _eager_drafts(eager, list(zip(prompts, result.tokens)), BLOCK - 1)
 
 
 @pytest.mark.parametrize("num_draft_tokens", [1, BLOCK - 1])
@@ -272,29 +270,36 @@ def test_dflash_needs_an_artifact_with_a_draft_and_a_block_wide_enough(tiny_arti
 
 class RecordingOracle:
     """Runs the artifact's draft and records its proposals, but proposes the known greedy continuation wrong at
-    index `accept`: verifying steps accept some drafts and reject others, and the draft context must stay right."""
+    index `accept`: verifying steps accept some drafts and reject others, and the draft context must stay right.
+    A device drafter: its proposals go to the device, as the real draft's do."""
 
     def __init__(self, truth: list[int], accept: int) -> None:
         self.dflash = None  # the runner's executor's draft, once it exists
         self.truth, self.accept = truth, accept
         self.seen: list[tuple[list[int], tuple[int, ...]]] = []
+        self.shortfalls: list[int] = []  # each draft's: < 0 for one planned behind a verify that rejected drafts
 
-    def propose_batch(self, requests):
-        real = self.dflash.propose_batch(requests)
-        self.seen += [(list(r.tokens), drafts) for r, drafts in zip(requests, real)]
+    def draft_on_device(self, requests, last_tokens, shortfall):
+        real = self.dflash.draft_on_device(requests, last_tokens, shortfall).tolist()  # (a test may wait for them)
+        shortfall = shortfall.tolist() if shortfall is not None else [0] * len(requests)
+        width = max(r.max_drafts for r in requests)
         proposals = []
-        for r in requests:
-            drafts = list(self.truth[len(r.tokens):len(r.tokens) + r.max_drafts])
+        for r, drafted, last, short in zip(requests, real, last_tokens.tolist(), shortfall):
+            self.shortfalls.append(short)
+            position = len(r.cells) + short  # of the pending token: the truth holds every token before it
+            self.seen.append((self.truth[:position] + [last], tuple(drafted[:r.max_drafts])))
+            drafts = list(self.truth[position + 1:position + 1 + width])
             if self.accept < len(drafts):
                 drafts[self.accept] = (drafts[self.accept] + 1) % 258
-            proposals.append(tuple(drafts))
-        return proposals
+            proposals.append(drafts + [0] * (width - len(drafts)))
+        return torch.tensor(proposals)
 
 
 def test_the_draft_context_follows_accepted_and_rejected_drafts(dflash_artifact, eager):
     """After verifying steps that accepted 2 of 4 drafts, every block the artifact drafted is what the eager model
     drafts from a fresh computation of the same tokens: accepted rows' context came from the verify forward,
-    rejected rows' was rewritten."""
+    rejected rows' was rewritten, and blocks drafted behind a verify in flight read a context moved back by
+    its rejected drafts on the device."""
     from pt2serve.runtime.engine import open_runner
     from pt2serve.runtime.executor import ExecutorConfig
     from pt2serve.runtime.runner import RunnerConfig
@@ -317,6 +322,8 @@ def test_the_draft_context_follows_accepted_and_rejected_drafts(dflash_artifact,
     finally:
         runner.close()
     assert len(oracle.seen) >= 5
+    # Drafted behind verifies still in flight, their contexts laid out again on the device (2 of 4 rejected).
+    assert oracle.shortfalls.count(-2) >= 3
     for tokens, drafted in oracle.seen:
         expected = _eager_drafts(eager, [(tokens[:-1], tokens[-1])], len(drafted))
         assert [list(drafted)] == expected

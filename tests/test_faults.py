@@ -45,9 +45,9 @@ def slow_steps(runner, monkeypatch, seconds: float = 0.01) -> None:
     """Each engine step takes at least `seconds`, so a long request is surely running when a test acts."""
     launch = runner.executor.launch  # what the runner calls (step() is launch then wait)
 
-    def slow_launch(chunks):
+    def slow_launch(chunks, *args):
         time.sleep(seconds)
-        return launch(chunks)
+        return launch(chunks, *args)
 
     monkeypatch.setattr(runner.executor, "launch", slow_launch)
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import (
-    assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch, stop_at_token, wait_until_idle,
+    RecordingExecutor, assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch, stop_at_token,
+    wait_until_idle,
 )
 from pt2serve.contract import SCRATCH_CELL
 from pt2serve.model.presets import toy_greedy_continuation
@@ -159,7 +160,7 @@ def test_cancel_mid_prefill_and_mid_decode_frees_cells_and_spares_the_others(des
     targets: dict[str, object] = {}
     leaks: list[str] = []
 
-    def launch_and_cancel(chunks):
+    def launch_and_cancel(chunks, *args):
         # The engine thread, before a step: check the pool, and send the cancels once their moment comes.
         scheduler = runner.scheduler
         leaked = scheduler.num_leaked_cells()  # cells in use that neither a request nor the prefix cache holds
@@ -172,7 +173,7 @@ def test_cancel_mid_prefill_and_mid_decode_frees_cells_and_spares_the_others(des
             if request is not None and done(request) and name not in targets.get("sent", ()):
                 targets.setdefault("sent", set()).add(name)
                 runner.cancel(handle)
-        return real_launch(chunks)
+        return real_launch(chunks, *args)
 
     runner.executor.launch = launch_and_cancel
     try:
@@ -251,11 +252,11 @@ def test_a_failing_step_fails_only_its_requests(toy_artifact):
     real_launch = runner.executor.launch
     armed = threading.Event()
 
-    def flaky_launch(chunks):
+    def flaky_launch(chunks, *args):
         if armed.is_set():
             armed.clear()
             raise RuntimeError("injected device failure")
-        return real_launch(chunks)
+        return real_launch(chunks, *args)
 
     runner.executor.launch = flaky_launch
     try:
@@ -290,30 +291,6 @@ def test_stop_strings_end_the_text(tiny_runner):
     stopped = tiny_runner.generate("stop test", max_new_tokens=30, ignore_eos=True, stop_strings=(stop,))
     assert stopped.finish_reason is FinishReason.STOP
     assert stopped.text == free.text[: free.text.index(stop)]
-
-
-class RecordingExecutor:
-    """The real executor, with the order of launches and result reads recorded."""
-
-    def __init__(self, executor) -> None:
-        self._executor = executor
-        self.log: list[tuple[str, int]] = []
-
-    def __getattr__(self, name: str):
-        return getattr(self._executor, name)
-
-    def launch(self, chunks):
-        index = sum(kind == "launch" for kind, _ in self.log)
-        self.log.append(("launch", index))
-        pending = self._executor.launch(chunks)
-        log = self.log
-
-        class Recorded:
-            def result(self):
-                log.append(("result", index))
-                return pending.result()
-
-        return Recorded()
 
 
 def test_the_next_step_is_launched_before_the_last_ones_ids_are_read(toy_artifact):
@@ -408,9 +385,9 @@ def test_prefill_pieces_are_never_shorter_than_the_min_prefill_chunk(tiny_artifa
     real_launch = runner.executor.launch
     pieces: list[tuple[int, bool]] = []  # (tokens, ends its prompt) of every prefill chunk
 
-    def recording_launch(chunks):
+    def recording_launch(chunks, *args):
         pieces.extend((len(c.tokens), c.sampling is not None) for c in chunks if len(c.tokens) > 1)
-        return real_launch(chunks)
+        return real_launch(chunks, *args)
 
     runner.executor.launch = recording_launch
     try:

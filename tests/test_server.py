@@ -585,7 +585,7 @@ def test_server_is_healthy_after_bad_requests(server, client):
 
 
 def test_engine_failure_is_an_error_without_details(server, client, runner, monkeypatch):
-    def broken_launch(chunks):
+    def broken_launch(chunks, *args):
         raise RuntimeError("device exploded at 0xdeadbeef")
 
     errors_before = metrics(server).get('pt2serve_requests_total{finish_reason="error"}', 0)
@@ -630,9 +630,9 @@ def slow_engine(runner, monkeypatch):
     """Each engine step takes at least 10 ms, so a long request is surely still running when the test acts."""
     launch = runner.executor.launch
 
-    def slow_launch(chunks):
+    def slow_launch(chunks, *args):
         time.sleep(0.01)
-        return launch(chunks)
+        return launch(chunks, *args)
 
     monkeypatch.setattr(runner.executor, "launch", slow_launch)
 

@@ -10,7 +10,9 @@ import random
 import numpy as np
 import pytest
 
-from conftest import assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch
+from conftest import (
+    RecordingExecutor, assert_only_the_cache_holds_cells, random_prompts, sampled_alone_and_in_a_batch,
+)
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.presets import toy_greedy_continuation
 from pt2serve.runtime.cells import CellAllocator
@@ -20,7 +22,7 @@ from pt2serve.runtime.executor import ExecutorConfig
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec
 from pt2serve.runtime.runner import RunnerConfig
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
-from pt2serve.runtime.scheduler import MAX_DRAFT_PAUSE, Scheduler, SchedulerConfig
+from pt2serve.runtime.scheduler import MAX_DRAFT_PAUSE, PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig
 
 CELLS = ExecutorConfig(num_cells=4097)
 VOCAB = 258
@@ -153,6 +155,34 @@ def test_ngram_drafts_on_toy_greedy_are_accepted_whole(toy_artifact):
         runner.close()
 
 
+def test_a_speculating_request_is_launched_again_before_its_verify_comes_back(toy_artifact):
+    """One step in flight with speculation: each verifying step of a greedy request (but its first and the
+    last ones, whose drafts might end it) is launched while the one before it is still unread on the device."""
+    from pt2serve.runtime.artifact import load_artifact
+    from pt2serve.runtime.executor import Executor
+    from pt2serve.runtime.runner import Runner
+
+    executor = RecordingExecutor(Executor(load_artifact(toy_artifact), CELLS))
+    runner = Runner(executor, config=RunnerConfig(token_budget=64, speculate=Speculation.NGRAM, num_draft_tokens=7))
+    try:
+        prompt = [5] + toy_greedy_continuation([5], 69)
+        result = runner.generate(prompt, max_new_tokens=81)
+        assert result.token_ids == toy_greedy_continuation(prompt, 81)
+        assert result.stats.accepted_tokens == result.stats.draft_tokens
+        assert_only_the_cache_holds_cells(runner)
+    finally:
+        runner.close()
+    unread, behind = set(), 0  # launches whose result is not read yet; launches behind an unread verify
+    for kind, index in executor.log:
+        if kind == "result":
+            unread.discard(index)
+            continue
+        verifies = any(c.drafts for c in executor.chunks[index])
+        behind += verifies and any(any(c.drafts for c in executor.chunks[i]) for i in unread)
+        unread.add(index)
+    assert behind >= result.stats.verify_steps - 2
+
+
 def test_seeded_sampling_repeats_alone_and_in_a_batch(tiny_artifact):
     sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     prompt = [256, 10, 20, 30, 40, 10, 20, 30]
@@ -247,10 +277,10 @@ def test_scheduler_commits_accepted_drafts_and_frees_the_rejected_cells():
     plan = scheduler.plan()
     (chunk,) = plan.chunks
     assert chunk.drafts == (50, 51, 52, 53) and chunk.num_tokens == 5 and chunk.start == 3
-    assert request.cells.length == 8 and request.num_computed == 4
+    # Drafts in flight count as accepted: their cells, num_computed, the limits.
+    assert request.cells.length == 8 and request.num_computed == 8 and request.num_sampled == 6
     (executor_chunk,) = scheduler.executor_chunks(plan)
     assert executor_chunk.tokens == (40, 50, 51, 52, 53) and executor_chunk.drafts == (50, 51, 52, 53)
-    assert scheduler.plan().chunks == ()  # not planned again before its result is back
     events = scheduler.commit(plan, (None,), ((50, 51, 60),))
     assert [e.token for e in events] == [50, 51, 60]
     assert request.tokens == [1, 2, 3, 40, 50, 51, 60] and request.num_computed == 6
@@ -265,6 +295,46 @@ def test_scheduler_commits_accepted_drafts_and_frees_the_rejected_cells():
     assert plan.chunks[0].drafts == ()  # one token left: no room for a draft
     events = scheduler.commit(plan, (70,))
     assert events[-1].finish_reason is FinishReason.LENGTH
+    assert allocator.num_used == scheduler.prefix_cache.num_cells
+
+
+def test_a_verify_in_flight_is_followed_by_the_next_chunk_planned_for_all_its_drafts_accepted():
+    """Planned while its verify is in flight, a request's next chunk starts after all the drafts (the executor
+    moves it back by the rejected ones on the device) and drafts after a guess of what the verify emits; the
+    commit gives back the rejected drafts' cells from the end, and a wrong guess is no drafter's miss."""
+    allocator = CellAllocator(256)
+    scheduler = Scheduler(SchedulerConfig(token_budget=16, max_decode_sequences=16, max_context=128),
+                          allocator, ScriptedDrafter([50, 51, 52, 53]))
+    request = Request(1, RequestSpec((1, 2, 3), 10, num_draft_tokens=4), [1, 2, 3], RequestRandom(0))
+    scheduler.add(request)
+    scheduler.commit(scheduler.plan(), (40,))
+    first = scheduler.plan()
+    second = scheduler.plan()  # the first in flight
+    (chunk,) = second.chunks
+    # 10 - 6 sampled (4 drafts in flight counted) - 1 = 3 drafts, after the guess 50 51 52 53 + 50.
+    assert (chunk.start, chunk.num_tokens, chunk.drafts, chunk.previous_sample) == (8, 4, (51, 52, 53), 0)
+    assert request.guess == (second.step, (50, 51, 52, 53, 50), 4)
+    (executor_chunk,) = scheduler.executor_chunks(second)
+    assert executor_chunk.tokens == (PLACEHOLDER_TOKEN, 51, 52, 53) and executor_chunk.previous_sample == 0
+    assert request.cells.length == request.num_computed == 12
+    scheduler.commit(first, (None,), ((50, 51, 60),))  # 2 of 4 accepted: the second chunk runs 2 earlier
+    assert request.cells.length == request.num_computed == 10 and allocator.num_used == 10
+    assert request.off_track_step == second.step and request.guess is None
+    third = scheduler.plan()
+    # Behind a chunk that followed a wrong guess: its drafts are likely all rejected, so the guess is its one
+    # token, from the known tokens alone.
+    assert third.chunks[0].start == 10 and third.chunks[0].drafts == (51,)  # 10 - 8 sampled - 1
+    assert request.guess == (third.step, (50,), 0)
+    scheduler.commit(second, (None,), ((61,),))
+    assert request.draft_misses == 0 and request.draft_pause == 0  # drafts after rejected drafts: no miss
+    assert request.cells.length == request.num_computed == 9 and request.off_track_step == third.step
+    scheduler.commit(third, (None,), ((51, 70),))
+    assert request.tokens[3:] == [40, 50, 51, 60, 61, 51, 70] and request.num_computed == 9
+    assert (request.stats.draft_tokens, request.stats.accepted_tokens, request.stats.verify_steps) == (8, 3, 3)
+    last = scheduler.plan()
+    assert last.chunks[0].drafts == (50, 51)  # 3 tokens left
+    events = scheduler.commit(last, (None,), ((50, 51, 54),))
+    assert events[-1].finish_reason is FinishReason.LENGTH and request.stats.completion_tokens == 10
     assert allocator.num_used == scheduler.prefix_cache.num_cells
 
 
@@ -330,13 +400,17 @@ def test_a_drafter_that_brings_nothing_is_asked_ever_less_often():
     scheduler = Scheduler(config, CellAllocator(512), drafter)
     request = Request(2, RequestSpec((1, 2, 3), 200, num_draft_tokens=2), [1, 2, 3], RequestRandom(0))
     scheduler.add(request)
-    run_in_flight(scheduler, 30)  # every draft rejected
-    assert np.diff(drafter.asked_at).tolist()[:4] == [2, 3, 5, 9]
+    run_in_flight(scheduler, 80)  # every draft rejected
+    # Each attempt is two chunks: one drafted after its known tokens, one drafted behind it (after a guess of
+    # what it emits) before its verify is back; each misses, and the pause after them doubles twice.
+    gaps = np.diff(drafter.asked_at).tolist()
+    assert gaps[0::2][:5] == [1] * 5 and gaps[1::2][:4] == [4, 10, MAX_DRAFT_PAUSE + 2, MAX_DRAFT_PAUSE + 2]
     assert request.draft_misses >= 4
     asked = len(drafter.asked_at)
     run_in_flight(scheduler, 60, emitted=lambda chunk: chunk.drafts + (9,))  # every draft accepted
     assert request.draft_misses == 0 and request.draft_pause == 0
-    assert set(np.diff(drafter.asked_at[asked + 1:]).tolist()) == {3}  # 2 drafts + 1 per step, every time
+    # Drafting every step behind the last: the drafter's first token is the guess, then 1 draft + 1 per step.
+    assert set(np.diff(drafter.asked_at[asked + 1:]).tolist()) == {2}
 
 
 def test_speculating_decodes_share_the_token_budget():

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from pt2serve.runtime.drafter import DeviceDrafter
 from pt2serve.runtime.executor import Executor, PendingStep, StepResult
 from pt2serve.runtime.step import Chunk
 
@@ -59,11 +60,11 @@ class TimedExecutor:
     def __getattr__(self, name: str):
         return getattr(self._executor, name)
 
-    def launch(self, chunks: list[Chunk]) -> "_TimedPending":
+    def launch(self, chunks: list[Chunk], drafter: DeviceDrafter | None = None) -> "_TimedPending":
         if self.before_step is not None:
             self.before_step()
         started = time.perf_counter()
-        pending = self._executor.launch(chunks)
+        pending = self._executor.launch(chunks, drafter)
         return _TimedPending(self._raw, started, time.perf_counter(), chunks, pending)
 
     def step(self, chunks: list[Chunk]) -> StepResult:

@@ -1,5 +1,6 @@
 """DFlash drafting at run time: the draft's cell pool, its context written with every forward, and blocks
-drafted for the speculating sequences in static calls (captured in CUDA graphs on the GPU).
+drafted for the speculating sequences in static calls (captured in CUDA graphs on the GPU). The executor
+drafts as it launches a verifying step, and the drafts stay on the device (drafter.py).
 
 The draft pool (see contract.py) mirrors the target's cells, then holds block_size block cells per slot of
 the widest draft method:
@@ -15,7 +16,10 @@ followed by its slot's block cells:
 
     [ last_tokens S | seq_indptr S+1 | seq_cells E ]    one int64 host array, regions as in step.py
 
-Padding slots have no context: they read and write only their own block cells.
+Padding slots have no context: they read and write only their own block cells. The last tokens are copied
+in on the device (a sequence's may be the sample of the step in flight); a sequence planned behind a verify
+in flight lists its context for all of that verify's drafts accepted, and the call's index is laid out again
+on the device once the verify's shortfall is known there (`_shorten`).
 """
 
 from __future__ import annotations
@@ -66,18 +70,49 @@ class DFlashDrafter:
         """Project a forward's tapped hidden states into the draft cells of its tokens (queued, in place)."""
         self.artifact.run(DRAFT_CONTEXT, [taps, positions, write_cells, *self.pools])
 
-    def propose_batch(self, requests: list[DraftRequest]) -> list[tuple[int, ...]]:
-        """Each request's drafts: the argmax of its block's positions 1 .. max_drafts (one host sync in all)."""
-        outputs = []
+    def draft_on_device(self, requests: list[DraftRequest], last_tokens: torch.Tensor,
+                        shortfall: torch.Tensor | None) -> torch.Tensor:
+        """Each request's block drafted: [len(requests), block_size - 1], the argmax of its block's positions
+        1 .. block_size - 1, on the device (queued; nothing waits for it). See drafter.DeviceDrafter."""
+        outputs, at = [], 0
         for group in self._groups(requests):
             num_seqs = self._size_for(group)
             method = self._methods[num_seqs]
             host, _ = self._pack(group, num_seqs)
             method.load(host)
+            method.inputs[0][:len(group)].copy_(last_tokens[at:at + len(group)])
+            if shortfall is not None:
+                self._shorten(method.inputs, group, num_seqs, shortfall[at:at + len(group)])
             # Under a graph the output is a fixed buffer that the next replay overwrites: keep a copy.
             outputs.append(method.run()[: len(group)].clone())
-        ids = torch.cat(outputs).cpu().tolist()
-        return [tuple(row[: r.max_drafts]) for r, row in zip(requests, ids)]
+            at += len(group)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _shorten(self, inputs: list[torch.Tensor], group: list[DraftRequest], num_seqs: int,
+                 shortfall: torch.Tensor) -> None:
+        """Lay a loaded call's index out again on the device, each context `shortfall` cells shorter (<= 0): the
+        same layout as _pack, from the listed cells."""
+        _, indptr, seq_cells = inputs
+        block = self.block_size
+        width = max(num_seqs, max(len(r.cells) for r in group))
+        table = np.zeros((num_seqs + 1, width), dtype=np.int64)  # each slot's listed cells; then their counts
+        for slot, request in enumerate(group):
+            table[slot, :len(request.cells)] = request.cells
+            table[num_seqs, slot] = len(request.cells)
+        table = torch.from_numpy(table)
+        if seq_cells.device.type == "cuda":
+            table = table.pin_memory().to(seq_cells.device, non_blocking=True)
+        context = table[num_seqs, :num_seqs].clone()
+        context[:len(group)] += shortfall
+        ends = torch.cumsum(context + block, 0)
+        indptr[1:].copy_(ends)
+        entry = torch.arange(seq_cells.shape[0], device=seq_cells.device)
+        slot = torch.searchsorted(ends, entry, right=True).clamp(max=num_seqs - 1)
+        local = entry - (ends[slot] - block - context[slot])
+        in_context = local < context[slot]
+        cells = torch.where(in_context, table[slot, local.clamp(0, width - 1)],
+                            self.first_block_cell + slot * block + local - context[slot])
+        seq_cells.copy_(torch.where(entry < ends[-1], cells, SCRATCH_CELL))
 
     def _groups(self, requests: list[DraftRequest]) -> list[list[DraftRequest]]:
         """Consecutive groups, each as many sequences as one call holds (by slots and by entry capacity)."""
@@ -102,13 +137,10 @@ class DFlashDrafter:
         block = self.block_size
         sizes = (num_seqs, num_seqs + 1, self.num_entries[num_seqs])
         host = np.zeros(region_offsets(sizes)[1], dtype=np.int64)
-        last_tokens, indptr, seq_cells = regions(host, sizes)
+        _, indptr, seq_cells = regions(host, sizes)  # (the last tokens are copied in on the device)
         at = 0
         for slot in range(num_seqs):
             context = group[slot].cells if slot < len(group) else ()
-            if slot < len(group):
-                assert len(group[slot].tokens) == len(context) + 1, "drafting needs every token but the last computed"
-                last_tokens[slot] = group[slot].tokens[-1]
             seq_cells[at:at + len(context)] = context
             at += len(context)
             seq_cells[at:at + block] = np.arange(block) + self.first_block_cell + slot * block

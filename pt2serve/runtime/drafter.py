@@ -2,8 +2,10 @@
 
 A drafter only proposes: whatever it returns, the emitted tokens are the target's (greedy) or distributed as
 the target's (sampling). A good drafter makes steps emit more tokens; a bad one costs the verify rows.
-The scheduler asks for all of a step's drafts at once (`propose_all`): a host drafter answers per request,
-a device drafter (DFlash, dflash.py) drafts them together in a few calls.
+A host drafter (`propose`) answers the scheduler per request, from token ids. A device drafter (DFlash,
+dflash.py; `draft_on_device`) is run by the executor as it launches the verifying step: it drafts all of the
+step's sequences together in a few calls and its drafts go straight into the step's inputs on the device;
+the scheduler only reserves their number, and the host never sees them.
 
 `NgramDrafter` is prompt lookup: find the most recent earlier occurrence of the sequence's last n tokens
 (n = max_ngram down to min_ngram) in its own prompt and output, and propose the tokens that followed it.
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 
@@ -32,10 +35,11 @@ class Speculation(enum.Enum):
 
 @dataclass(frozen=True)
 class DraftRequest:
-    """One sequence to draft for: its tokens and the cells of those already computed."""
+    """One sequence a device drafter drafts for: the cells of the positions before its pending token (whose K/V
+    is not computed yet). A sequence planned behind a verify still in flight lists them for all its drafts
+    accepted: its context is as many cells shorter as that verify rejects (known on the device)."""
 
-    tokens: Sequence[int]  # prompt and output so far; the last one is pending (its K/V not computed yet)
-    cells: np.ndarray  # the cells of positions 0 .. len(tokens) - 2
+    cells: np.ndarray
     max_drafts: int
 
 
@@ -45,13 +49,19 @@ class Drafter(Protocol):
         ...
 
 
-def propose_all(drafter, requests: list[DraftRequest]) -> list[tuple[int, ...]]:
-    """Drafts for each request: all at once from a drafter that batches them on the device (`propose_batch`,
-    e.g. DFlash), else one request at a time from a host drafter's `propose`."""
-    batch = getattr(drafter, "propose_batch", None)
-    if batch is not None:
-        return batch(requests) if requests else []
-    return [tuple(drafter.propose(r.tokens, r.max_drafts)) for r in requests]
+class DeviceDrafter(Protocol):
+    def draft_on_device(self, requests: list[DraftRequest], last_tokens: torch.Tensor,
+                        shortfall: torch.Tensor | None) -> torch.Tensor:
+        """Each request's drafts, [len(requests), at least max max_drafts] int64 on the device (not waited for).
+        `last_tokens` [len(requests)]: each one's pending token; `shortfall` [len(requests)] (None: zeros): how
+        many of its listed cells (<= 0) its context really has fewer, so its pending token is at position
+        len(cells) + shortfall. Both on the device."""
+        ...
+
+
+def drafts_on_host(drafter) -> bool:
+    """Whether the drafter proposes from token lists, on the host (it can draft after guessed tokens too)."""
+    return getattr(drafter, "draft_on_device", None) is None
 
 
 class NgramDrafter:

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pt2serve.runtime.artifact import load_artifact, read_metadata, read_tokenizer_json
-from pt2serve.runtime.drafter import Drafter, Speculation
+from pt2serve.runtime.drafter import DeviceDrafter, Drafter, Speculation
 from pt2serve.runtime.executor import Executor, ExecutorConfig
 from pt2serve.runtime.runner import Runner, RunnerConfig
 from pt2serve.tokenizer import Tokenizer, TokenizerFiles
@@ -30,7 +30,7 @@ def open_runner(
     executor_config: ExecutorConfig = ExecutorConfig(),
     runner_config: RunnerConfig = RunnerConfig(),
     show_progress: bool = False,
-    drafter: Drafter | None = None,
+    drafter: Drafter | DeviceDrafter | None = None,
 ) -> Runner:
     """Load `path` onto `device` (default: what it was built for) and start its engine thread."""
     if drafter is None and runner_config.speculate is Speculation.DFLASH:

@@ -14,7 +14,12 @@ forward: its caller reads the previous step's ids meanwhile, fills the token mas
 sampling (see grammar.py).
 
 A verifying chunk (Chunk.drafts) is judged by the artifact's acceptance method after the forward, and comes
-back as the tokens its sequence emits (verify.py); the caller commits only those.
+back as the tokens its sequence emits (verify.py); the caller commits only those. A decode that follows it
+in the next step, planned before that is known and as if every draft were accepted, is completed here on
+the device: its first token is the last one emitted, its positions and write cells move back by the drafts
+rejected. Drafts of a device drafter (DFlash) are drafted at launch (behind a verify: from its last token and
+a context as much shorter, on the device) and copied into the step's token rows and the acceptance inputs
+on the device; the host never reads them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pt2serve.runtime.cells import (
     check_pool_fits,
 )
 from pt2serve.runtime.dflash import DFlashDrafter
+from pt2serve.runtime.drafter import DeviceDrafter, DraftRequest
 from pt2serve.runtime.grammar import apply_masks, bitmask_words
 from pt2serve.runtime.graphs import capture_all
 from pt2serve.runtime.logits import LogitsProcessor
@@ -185,6 +191,21 @@ class _Forwarded:
     to_verify: list[tuple[torch.Tensor, tuple[int, ...], list[Chunk]]]  # the same, for verifying chunks
     scored: list[_ScoredPrompt]
     started: torch.cuda.Event | None
+    drafted: "_DeviceDrafts | None" = None
+
+
+@dataclass(frozen=True)
+class _DeviceDrafts:
+    """A step's drafts from a device drafter: ids [sequences, width] on the device, and each chunk's row."""
+
+    ids: torch.Tensor
+    rows: dict[int, int]  # chunk index -> row of ids
+
+    def sources(self, chunks_and_counts) -> np.ndarray:
+        """Flat indices into ids of each (chunk index, number of drafts)'s drafts, in order."""
+        width = self.ids.shape[1]
+        return np.array([self.rows[c] * width + j for c, count in chunks_and_counts for j in range(count)],
+                        dtype=np.int64)
 
 
 class DeferredSampling:
@@ -253,6 +274,8 @@ class Executor:
         self.can_verify = ACCEPT_DRAFTS in artifact.runners and ACCEPT_DRAFTS_SAMPLED in artifact.runners
         self._previous_ids: torch.Tensor | None = None
         self._previous_rows: dict[int, int] = {}
+        self._previous_emitted: tuple[torch.Tensor, torch.Tensor] | None = None  # see _sample_step
+        self._previous_verified_rows: dict[int, int] = {}
         free_before = _free_device_bytes(self.device)
         # Before the forwards are captured: their graphs then write the draft context too.
         self.draft: DFlashDrafter | None = None
@@ -347,16 +370,18 @@ class Executor:
         """Run one step and wait for it; the chunks' cells must already be allocated (K/V are written here)."""
         return self.launch(chunks).result()
 
-    def launch(self, chunks: list[Chunk]) -> PendingStep | DeferredSampling:
+    def launch(self, chunks: list[Chunk], drafter: DeviceDrafter | None = None) -> PendingStep | DeferredSampling:
         """Queue one step's device work; returns before it runs (on the CPU, after it ran). A step that samples
-        for a grammar-constrained chunk returns after its forward: its sampling waits for the token masks."""
+        for a grammar-constrained chunk returns after its forward: its sampling waits for the token masks.
+        `drafter` drafts the verifying chunks whose drafts are placeholders (Chunk.drafts_on_device), first."""
         started = None
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
+        drafted = self._draft(chunks, drafter)
         to_sample, to_verify, calls, scored = [], [], [], []
         for piece, call in self.method_calls(chunks):
-            logits = self._forward(call)
+            logits = self._forward(call, drafted)
             by_index = dict(piece)
             num_sampled = len(call.sampled_chunks)
             if num_sampled:
@@ -370,7 +395,7 @@ class Executor:
             if call.prompt_rows:
                 scored.append(self._score_prompt(logits[num_sampled:], call, by_index))
             calls.append(CallRecord(call.method, call.num_tokens))
-        step = _Forwarded(chunks, tuple(calls), to_sample, to_verify, scored, started)
+        step = _Forwarded(chunks, tuple(calls), to_sample, to_verify, scored, started, drafted)
         if any(chunk.grammar for _, _, rows in to_sample for chunk in rows):
             return DeferredSampling(self, step)
         return self._sample_step(step, None)
@@ -388,26 +413,66 @@ class Executor:
         # What a placeholder in the next step reads: this step's ids, by chunk index.
         self._previous_ids = ids
         self._previous_rows = {chunk: row for row, chunk in enumerate(sampled)}
-        verified = [(indices, *self._verify(logits, rows)) for logits, indices, rows in step.to_verify]
+        verified, emitted = [], []
+        for logits, indices, rows in step.to_verify:
+            num_accepted, accepted_ids, num_drafts = self._verify(logits, indices, rows, step.drafted)
+            verified.append((indices, num_accepted, accepted_ids))
+            # Per verifying chunk, for a chunk that follows it in the next step: the last token it emits and
+            # how many positions it falls short of all its drafts accepted (<= 0).
+            emitted.append((accepted_ids.gather(1, num_accepted[:, None])[:, 0], num_accepted - num_drafts))
+        self._previous_emitted = tuple(torch.cat(parts) for parts in zip(*emitted)) if emitted else None
+        self._previous_verified_rows = {chunk: row for row, chunk in
+                                        enumerate(c for _, indices, _ in step.to_verify for c in indices)}
         return PendingStep(step.chunks, step.calls, sampled, ids, step.started, scored, verified)
 
-    def _verify(self, logits: torch.Tensor, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Judge the verifying chunks' drafts on the device: (num_accepted [S], ids [S, K1])."""
+    def _draft(self, chunks: list[Chunk], drafter: DeviceDrafter | None) -> _DeviceDrafts | None:
+        """Draft, on the device, the chunks whose drafts are placeholders: each from its pending token and the
+        cells of the positions before it (queued before the forwards, which read the drafts). A chunk that
+        follows the previous step's sample takes its pending token from there, and one behind a verify also
+        its context's length (moved back by the drafts rejected), on the device."""
+        indices = [index for index, chunk in enumerate(chunks) if chunk.drafts_on_device]
+        if not indices:
+            return None
+        assert drafter is not None, "drafts to be drafted on the device, and no device drafter"
+        last = self._to_device(np.array([chunks[i].tokens[0] for i in indices], dtype=np.int64))
+        following = [row for row, i in enumerate(indices) if chunks[i].previous_sample is not None]
+        shortfall = None
+        if following:
+            followed_last, followed_shortfall = self._followed([chunks[indices[row]].previous_sample
+                                                                for row in following])
+            rows = self._to_device(np.array(following, dtype=np.int64))
+            last.index_copy_(0, rows, followed_last)
+            shortfall = torch.zeros(len(indices), dtype=torch.int64, device=self.device)
+            shortfall.index_copy_(0, rows, followed_shortfall)
+        requests = [DraftRequest(chunks[i].cells[:chunks[i].start], len(chunks[i].drafts)) for i in indices]
+        ids = drafter.draft_on_device(requests, last, shortfall)
+        return _DeviceDrafts(ids, {index: row for row, index in enumerate(indices)})
+
+    def _verify(self, logits: torch.Tensor, indices: tuple[int, ...], chunks: list[Chunk],
+                drafted: _DeviceDrafts | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Judge the verifying chunks' drafts on the device: (num_accepted [S], ids [S, K1], num_drafts [S])."""
         if not self.can_verify:
             raise Pt2ServeError("this artifact has no acceptance methods (exported before speculation): "
                                 "re-export it to speculate")
         inputs = acceptance_inputs(chunks)
         shape = (inputs.num_seqs, inputs.width)
         row_index, drafts, num_drafts, top_k = regions(self._to_device(inputs.ints), inputs.int_sizes)
+        on_device = [(s, index, len(chunk.drafts)) for s, (index, chunk) in enumerate(zip(indices, chunks))
+                     if chunk.drafts_on_device]
+        if on_device:  # the device drafter's drafts, in place of their placeholders
+            places = [s * inputs.width + j for s, _, count in on_device for j in range(count)]
+            index = self._to_device(np.concatenate([np.array(places, dtype=np.int64),
+                                                    drafted.sources([(c, n) for _, c, n in on_device])]))
+            drafts.index_copy_(0, index[:len(places)], drafted.ids.reshape(-1).index_select(0, index[len(places):]))
         row_index, drafts = row_index.view(shape), drafts.view(shape)
         logits = logits.contiguous()  # see _sample: compiled methods assume contiguous rows
         if inputs.is_greedy:
-            return tuple(self.artifact.run(ACCEPT_DRAFTS, [logits, row_index, drafts, num_drafts]))
+            return (*self.artifact.run(ACCEPT_DRAFTS, [logits, row_index, drafts, num_drafts]), num_drafts)
         temperature, top_p, accept_uniform, sample_uniform = regions(self._to_device(inputs.floats),
                                                                      inputs.float_sizes)
-        return tuple(self.artifact.run(ACCEPT_DRAFTS_SAMPLED, [
+        return (*self.artifact.run(ACCEPT_DRAFTS_SAMPLED, [
             logits, row_index, drafts, num_drafts, temperature, top_p, top_k,
-            accept_uniform.view(shape), sample_uniform.view(shape)]))
+            accept_uniform.view(shape), sample_uniform.view(shape)]), num_drafts)
 
     def _score_sampled(self, logits: torch.Tensor, ids: torch.Tensor, indices: tuple[int, ...],
                        rows: list[Chunk]) -> list[ScoredRows]:
@@ -429,17 +494,27 @@ class Executor:
         device_targets = self._to_device(np.array(flat, dtype=np.int64))
         return _ScoredPrompt(score(logits[: len(flat)], device_targets, row_chunks, tops), flat)
 
-    def _forward(self, call: MethodCall) -> torch.Tensor:
+    def _forward(self, call: MethodCall, drafted: _DeviceDrafts | None = None) -> torch.Tensor:
         graph = self._graphs.get(call.method)
         if graph is not None:
             graph.load(call.host)  # the front of the buffer: the index holds the rest of its capacity
-            self._fill_placeholders(call, graph.inputs[0])
+            self._fill_placeholders(call, graph.inputs)
+            self._fill_drafts(call, graph.inputs[0], drafted)
             return graph.run()
         if call.width is not None:  # a static method without a graph: its index at the method's fixed length
             call = call.padded(self.artifact.metadata.entries_of(call.width))
         inputs = forward_regions(self._to_device(call.host), call.sizes)
-        self._fill_placeholders(call, inputs[0])
+        self._fill_placeholders(call, inputs)
+        self._fill_drafts(call, inputs[0], drafted)
         return self._run_forward(call.method, [*inputs, *self.pools])[0]
+
+    def _fill_drafts(self, call: MethodCall, tokens: torch.Tensor, drafted: _DeviceDrafts | None) -> None:
+        """Copy the device drafter's drafts into this call's token rows that hold their placeholders."""
+        if not call.device_drafts:
+            return
+        rows = np.array([first + j for first, count, _ in call.device_drafts for j in range(count)], dtype=np.int64)
+        index = self._to_device(np.concatenate([rows, drafted.sources([(c, n) for _, n, c in call.device_drafts])]))
+        tokens.index_copy_(0, index[:len(rows)], drafted.ids.reshape(-1).index_select(0, index[len(rows):]))
 
     def _run_forward(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run a forward method; with a draft, also write the draft context of the step's tokens from its taps."""
@@ -449,14 +524,47 @@ class Executor:
             self.draft.write_context(outputs[1], positions, write_cells)
         return outputs
 
-    def _fill_placeholders(self, call: MethodCall, tokens: torch.Tensor) -> None:
-        """Copy the previous step's sampled ids into this call's token rows that wait for them."""
+    def _fill_placeholders(self, call: MethodCall, inputs: list[torch.Tensor]) -> None:
+        """Complete, on the device, this call's chunks that follow the previous step's samples (its FORWARD_INPUTS
+        `inputs`, in place): each first token is the id sampled there; a chunk behind a verifying chunk gets the
+        last token that one emits, and its positions and write cells move back by the drafts it rejected."""
         if not call.placeholders:
             return
-        rows = [row for row, _ in call.placeholders]
-        sources = [self._previous_rows[chunk] for _, chunk in call.placeholders]
-        index = self._to_device(np.array([rows, sources], dtype=np.int64))
-        tokens.index_copy_(0, index[0], self._previous_ids.index_select(0, index[1]))
+        previous = [chunk for _, _, chunk in call.placeholders]
+        last, shortfall = self._followed(previous)
+        tokens, positions, write_cells, token_seq, seq_indptr, seq_cells = inputs[:6]
+        first_rows = [row for row, _, _ in call.placeholders]
+        if not any(chunk in self._previous_verified_rows for chunk in previous):
+            tokens.index_copy_(0, self._to_device(np.array(first_rows, dtype=np.int64)), last)
+            return
+        rows = [row + i for row, count, _ in call.placeholders for i in range(count)]
+        row_chunks = [n for n, (_, count, _) in enumerate(call.placeholders) for _ in range(count)]
+        index = self._to_device(np.array(first_rows + rows + row_chunks, dtype=np.int64))
+        first_rows, (rows, row_chunks) = index[:len(first_rows)], index[len(first_rows):].view(2, -1)
+        tokens.index_copy_(0, first_rows, last)
+        positions.index_add_(0, rows, shortfall.index_select(0, row_chunks))
+        # Each token's cell is its sequence's entry at its (new) position (contract.FORWARD_INPUTS).
+        entries = seq_indptr.index_select(0, token_seq.index_select(0, rows)) + positions.index_select(0, rows)
+        write_cells.index_copy_(0, rows, seq_cells.index_select(0, entries))
+
+    def _followed(self, previous: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For chunks of the previous step (by index), on the device: the last token each emits (its sample, or a
+        verify's last token), and how many positions it falls short of all its drafts accepted (0, or < 0)."""
+        last = torch.empty(len(previous), dtype=torch.int64, device=self.device)
+        shortfall = torch.zeros(len(previous), dtype=torch.int64, device=self.device)
+        sampled = [(n, self._previous_rows[c]) for n, c in enumerate(previous) if c in self._previous_rows]
+        behind = [(n, self._previous_verified_rows[c]) for n, c in enumerate(previous)
+                  if c in self._previous_verified_rows]
+        assert len(sampled) + len(behind) == len(previous), "a placeholder the previous step does not fill"
+        if sampled:
+            index = self._to_device(np.array(sampled, dtype=np.int64).T.copy())
+            last.index_copy_(0, index[0], self._previous_ids.index_select(0, index[1]))
+        if behind:
+            index = self._to_device(np.array(behind, dtype=np.int64).T.copy())
+            emitted, short = self._previous_emitted
+            last.index_copy_(0, index[0], emitted.index_select(0, index[1]))
+            shortfall.index_copy_(0, index[0], short.index_select(0, index[1]))
+        return last, shortfall
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device without waiting: through pinned memory, on the current stream."""

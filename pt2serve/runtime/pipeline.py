@@ -2,7 +2,11 @@
 commits them (detokenizes, checks stop strings, delivers events) while step n+1 runs on the device.
 
 The device never waits for the host's per-step work; sampled ids are read one step late, so a request that
-stops at step n still had a decode queued in step n+1, whose result is dropped. A step with grammar-
+stops at step n still had a decode queued in step n+1, whose result is dropped. Verifying steps too: a
+speculating request is planned into step n+1 while its verify in step n runs, for all of its drafts
+accepted, and the executor moves it back by the rejected ones on the device (scheduler.py). A device
+drafter's drafts go from its output into the step's inputs on the device; the host reads only what each
+verify emits, a step late like any sample. A step with grammar-
 constrained rows is launched unsampled and sampled once the step before it is committed, because its masks
 follow the tokens committed so far. A step that fails on the device fails exactly its own requests.
 """
@@ -13,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from pt2serve.runtime.drafter import DeviceDrafter
 from pt2serve.runtime.events import Delivery
 from pt2serve.runtime.executor import CallRecord, DeferredSampling, Executor, PendingStep, StepResult
 from pt2serve.runtime.logprobs import TokenLogprob
@@ -30,6 +35,7 @@ class StepRecord:
     calls: tuple[CallRecord, ...]
     seconds: float  # from launch to its ids on the host (with a step in flight, includes waiting for it)
     device_seconds: float | None  # its own time on the GPU (None on the CPU)
+    ended: float = 0.0  # perf_counter when its ids reached the host: steps' intervals in a run
 
 
 @dataclass(frozen=True)
@@ -47,10 +53,12 @@ class InFlight:
 class StepPipeline:
     """Launches, samples and commits the engine thread's steps; keeps the record of each."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, delivery: Delivery):
+    def __init__(self, scheduler: Scheduler, executor: Executor, delivery: Delivery,
+                 device_drafter: DeviceDrafter | None = None):
         self._scheduler = scheduler
         self._executor = executor
         self._delivery = delivery
+        self._device_drafter = device_drafter  # drafts the verifying chunks as the executor launches them
         self.history: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
 
     def launch(self) -> InFlight | None:
@@ -60,7 +68,8 @@ class StepPipeline:
         if plan.chunks:
             started = time.perf_counter()
             try:
-                launched = InFlight(plan, self._executor.launch(self._scheduler.executor_chunks(plan)), started)
+                pending = self._executor.launch(self._scheduler.executor_chunks(plan), self._device_drafter)
+                launched = InFlight(plan, pending, started)
             except Exception as err:  # a failing step fails its requests, not the engine
                 self._fail(plan, err)
         return launched
@@ -89,11 +98,10 @@ class StepPipeline:
         except Exception as err:
             self._fail(step.plan, err)
             return
-        seconds = time.perf_counter() - step.launched
+        ended = time.perf_counter()
         plan = step.plan
-        self.history.append(
-            StepRecord(plan.step, plan.num_tokens, plan.num_decode, result.calls, seconds, result.device_seconds)
-        )
+        self.history.append(StepRecord(plan.step, plan.num_tokens, plan.num_decode, result.calls,
+                                       ended - step.launched, result.device_seconds, ended))
         logprobs = self._collect_logprobs(plan, result)
         for event in self._scheduler.commit(plan, result.tokens, result.verified):
             if event.request_id in self._delivery:  # (not when an earlier token of the same step ended it)

@@ -2,14 +2,17 @@
 
 Only the scheduler changes `status`; the request owns its tokens and counters.
 
-    tokens:  [ p0 p1 ... p(n-1) | g0 g1 ... ]  ? ?   prompt, then generated tokens known on the host,
-                                                       then num_unresolved samples still in flight (?)
-    cells:   [ c0 c1 ... ]                             one per scheduled token, in position order
-    num_computed <= len(tokens) + num_unresolved: tokens scheduled into cells (their K/V written by a
-    step that ran or is queued). The newest token (known or in flight) is fed in a later step (a decode).
+    tokens:  [ p0 p1 ... p(n-1) | g0 g1 ... ]  ? ? d d   prompt, then generated tokens known on the host,
+                                                           then num_unresolved samples still in flight (?)
+                                                           and num_unverified drafts in flight (d)
+    cells:   [ c0 c1 ... ]                                 one per scheduled token, in position order
+    num_computed <= length: tokens scheduled into cells (their K/V written by a step that ran or is queued).
+    The newest token (known or in flight) is fed in a later step (a decode).
 
 One step may be in flight while the next is planned, so a decode can be scheduled before the token it
-feeds is known: its sample is counted in num_unresolved until the step's ids come back (commit).
+feeds is known: its sample is counted in num_unresolved until the step's ids come back (commit). Drafts
+in flight count as accepted (the worst case for cells and limits) until their verify comes back: then
+num_computed and the cells drop by the rejected ones.
 """
 
 from __future__ import annotations
@@ -76,12 +79,20 @@ class Request:
     cells: CellTable = field(default_factory=CellTable)
     num_computed: int = 0
     num_unresolved: int = 0  # samples scheduled whose tokens have not come back yet
+    num_unverified: int = 0  # drafts scheduled whose verify has not come back yet
     status: RequestStatus = RequestStatus.WAITING
     last_prefill_step: int = -1  # the step that last gave it a prefill chunk (-1: never)
     # Speculation (scheduler.py): drafting attempts in a row that brought no accepted token, and how many
     # decodes it makes without drafts (one step in flight) before its drafter is asked again.
     draft_misses: int = 0
     draft_pause: int = 0
+    # A chunk drafted while the step before was in flight follows what that step was guessed to emit: (the
+    # chunk's step, the guessed tokens, how many of them are that step's own drafts) until that step is
+    # committed. Then off_track_step names the chunk if the guess was wrong (its drafts follow tokens that did
+    # not happen), and unjudged_step too if that step's drafts were rejected: that is their miss, not the chunk's.
+    guess: tuple[int, tuple[int, ...], int] | None = None
+    off_track_step: int = -1
+    unjudged_step: int = -1
     finish_reason: FinishReason | None = None
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -92,8 +103,8 @@ class Request:
 
     @property
     def length(self) -> int:
-        """Tokens known or in flight."""
-        return len(self.tokens) + self.num_unresolved
+        """Tokens known or in flight (drafts in flight counted as accepted)."""
+        return len(self.tokens) + self.num_unresolved + self.num_unverified
 
     @property
     def num_pending(self) -> int:
@@ -107,5 +118,5 @@ class Request:
 
     @property
     def num_sampled(self) -> int:
-        """Completion tokens scheduled so far, known or in flight."""
-        return self.stats.completion_tokens + self.num_unresolved
+        """Completion tokens scheduled so far, known or in flight (drafts in flight counted as accepted)."""
+        return self.stats.completion_tokens + self.num_unresolved + self.num_unverified

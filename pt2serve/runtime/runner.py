@@ -26,7 +26,7 @@ from typing import Callable
 
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.dflash import DFlashDrafter
-from pt2serve.runtime.drafter import Drafter, NgramDrafter, Speculation
+from pt2serve.runtime.drafter import DeviceDrafter, Drafter, NgramDrafter, Speculation, drafts_on_host
 from pt2serve.runtime.events import Completion, Delivery, RequestHandle, StreamEvent
 from pt2serve.runtime.executor import Executor
 from pt2serve.runtime.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
@@ -88,7 +88,7 @@ class RunnerStats:
 
 class Runner:
     def __init__(self, executor: Executor, tokenizer: Tokenizer | None = None, config: RunnerConfig = RunnerConfig(),
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | DeviceDrafter | None = None):
         """`drafter`: where drafts come from (default: as config.speculate says; given, the runner speculates)."""
         meta = executor.artifact.metadata
         budget = config.token_budget or min(DEFAULT_TOKEN_BUDGET, meta.max_step_tokens)
@@ -134,7 +134,8 @@ class Runner:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._delivery = Delivery(self.scheduler, self._on_finished)
-        self._pipeline = StepPipeline(self.scheduler, executor, self._delivery)
+        self._pipeline = StepPipeline(self.scheduler, executor, self._delivery,
+                                      drafter if drafter is not None and not drafts_on_host(drafter) else None)
         # On CUDA a launch queues the step and returns; the engine waits in the next step's result(). On the
         # CPU a launch computes the step (with the GIL released), so there it waits in the launch.
         self._launch_is_async = executor.device.type == "cuda"

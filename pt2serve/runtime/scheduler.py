@@ -22,18 +22,30 @@ once, a sampling chunk counts an unresolved sample, and a decode whose token is 
 the chunk of the previous plan that samples it (ScheduledChunk.previous_sample). Commits come in plan order.
 
 Speculation: a request with num_draft_tokens decodes its pending token plus up to that many tokens its
-drafter proposes (one call for all of a step's speculating requests), all in one chunk that takes 1 + k
-tokens of the budget and 1 + k cells. Its num_computed advances by one when planned and by the accepted
-count when the result comes back; the cells of rejected drafts are freed then (the next step writes those
-positions again). It is planned again only once its result is back (its drafts need its newest token),
-while other requests keep one step in flight. That wait costs a step's host work on the device's clock
-(19% of a batch-1 step of the 8B on an H200), so a request whose drafter proposed nothing, or whose drafts
-were all rejected, decodes without drafts and with one step in flight for 1, 2, 4 ... up to
-MAX_DRAFT_PAUSE steps (doubling with each such attempt in a row) before its drafter is asked again; an
-accepted draft ends the pause.
+drafter proposes (a device drafter's: drafted by the executor, on the device), all in one chunk that takes 1 + k
+tokens of the budget and 1 + k cells. Drafts in flight count as accepted (num_computed, cells, limits: the
+worst case); when the verify comes back, num_computed and the request's cells drop by the rejected ones.
+A request whose verify is in flight is planned again at once, like any decode (one step in flight): its
+chunk starts after all those drafts, and the executor moves it back by the rejected ones on the device,
+where the accepted count is known first, its first token the last one the verify emits. A host drafter
+drafts it after a guess of what the verify emits (its drafts, then the drafter's next token); a wrong guess
+costs only that chunk's drafts; a device drafter (DFlash) drafts it on the device, after the acceptance.
+Sampled requests still wait for the result, skipping one step: their draws are keyed by position, which
+only the device knows then. A request whose drafter proposed nothing, or whose drafts were all rejected,
+decodes without drafts for 1, 2, 4 ... up to MAX_DRAFT_PAUSE steps (doubling with each such attempt in a
+row) before its drafter is asked again; an accepted draft ends the pause.
 
-    cells:  [ ... | pending | d1 d2 d3 ]   planned:  num_computed = position of d1
-                                           2 accepted: num_computed += 2, the cell of d3 freed
+Where a verifying step waited on the host before (one step in flight otherwise): a speculating request was
+planned only once its verify was back. At batch 1 every verify then ran alone: the device idle while the
+host read its result, committed it, drafted (a device drafter: one more round trip for the drafts) and
+launched the next. At batch 32 (scripts/speculation_steps.py: 256-token prompts prefilled 8 per step, so
+requests start out of phase) the requests split into two groups that alternate, each verifying every
+other step: 57 steps of 15 verifying requests on average for 26 verifies a request; now 31 steps of 28.
+
+    cells:  [ ... | pending | d1 d2 d3 ]   planned:  num_computed = position after d3 (all accepted)
+                                           2 accepted: num_computed -= 1, the cell of d3 freed
+    behind it, before that is known:       [ ... | pending | d1 d2 d3 | b e1 e2 ]  b: the verify's last token
+                                           2 accepted: the chunk runs at d3's position, the last cell freed
 """
 
 from __future__ import annotations
@@ -45,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pt2serve.runtime.cells import CellAllocator, CellTable
-from pt2serve.runtime.drafter import Drafter, DraftRequest, propose_all
+from pt2serve.runtime.drafter import Drafter, DeviceDrafter, drafts_on_host
 from pt2serve.runtime.prefix_cache import PrefixCache
 from pt2serve.runtime.request import FinishReason, Request, RequestStatus
 from pt2serve.runtime.sampling import DrawPurpose
@@ -82,7 +94,8 @@ class ScheduledChunk:
     samples: bool  # the chunk reaches the request's newest token: its next token is sampled
     uniform: float  # the request's draw for that sample
     previous_sample: int | None = None  # a decode of an in-flight sample: that chunk's index in the last plan
-    drafts: tuple[int, ...] = ()  # a verifying decode: its last len(drafts) tokens are drafted, not known
+    # A verifying decode: its last len(drafts) tokens are drafted, not known (a device drafter's: placeholders).
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,7 +117,8 @@ class TokenEvent:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: CellAllocator, drafter: Drafter | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: CellAllocator,
+                 drafter: Drafter | DeviceDrafter | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.drafter = drafter  # proposes the drafts of requests that speculate
@@ -115,6 +129,7 @@ class Scheduler:
         self._running: list[int] = []  # admission order
         self._decode_turn = 0
         self._sampling_index: dict[int, int] = {}  # request id -> its sampling chunk's index in the last plan
+        self._last_chunks: tuple[ScheduledChunk, ...] = ()  # the last plan's
         self.step = 0
         self.num_preemptions = 0
         self.num_draft_tokens = 0  # speculation since start: drafts verified, accepted, verifying steps
@@ -157,17 +172,34 @@ class Scheduler:
         self._schedule_prefills(scheduled, self.config.token_budget - decode_tokens)
         plan = StepPlan(self.step, tuple(scheduled.values()), num_decode)
         self._sampling_index = {c.request_id: i for i, c in enumerate(plan.chunks) if c.samples}
+        self._last_chunks = plan.chunks
         assert plan.num_tokens <= self.config.token_budget
         assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
         return plan
 
     def _can_decode(self, request: Request) -> bool:
-        """Its pending token is known or is sampled by the last plan, and another sample stays in its limits.
-        A request that drafts this step waits for its pending token: its drafts follow from it."""
+        """Its pending token is known, or is sampled by the last plan and may follow it there (_may_follow), and
+        another sample stays in its limits (counting its drafts in flight as accepted)."""
         is_known = request.num_computed < len(request.tokens)
-        is_fed = is_known or (request.id in self._sampling_index and not _drafts_now(request))
+        is_fed = is_known or (request.id in self._sampling_index and self._may_follow(request))
         within_limits = request.num_sampled < request.spec.max_new_tokens and request.length < self.config.max_context
         return request.is_decoding and is_fed and within_limits
+
+    def _may_follow(self, request: Request) -> bool:
+        """Whether a request whose newest token is still in flight is planned now, behind it.
+
+        Behind a verify, its position is known only on the device (the executor moves the chunk back by the
+        rejected drafts there), so only a greedy request follows one: a sampled draw is keyed by position, on
+        the host. A host drafter drafts after a guess of what the step in flight emits (_propose); a device
+        drafter drafts on the device, once that is known there."""
+        return not (self._in_flight_chunk(request).drafts and not request.spec.sampling.is_greedy)
+
+    def _in_flight_chunk(self, request: Request) -> ScheduledChunk | None:
+        """The last plan's chunk that samples the request's newest token, while that token is unknown."""
+        index = self._sampling_index.get(request.id)
+        if index is None or request.num_computed < len(request.tokens):
+            return None
+        return self._last_chunks[index]
 
     def _schedule_decodes(self, scheduled: dict[int, ScheduledChunk], cap: int, token_budget: int) -> None:
         """Up to `cap` decodes of one token each, plus drafts for those that speculate, in `token_budget`."""
@@ -187,23 +219,34 @@ class Scheduler:
             request = self.requests[request_id]
             if request_id in scheduled or request.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an earlier one this step
-            drafts = proposed.get(request_id, ())[:max(0, draft_room)]
+            drafts, guess = proposed.get(request_id, ((), ()))
+            drafts = drafts[:max(0, draft_room)]
             if drafts and not self._can_allocate_freely(1 + len(drafts)):
                 drafts = ()  # drafts never cost another request its cells
             if self._allocate(request, 1 + len(drafts), scheduled):
                 scheduled[request_id] = self._chunk(request, 1, drafts)
+                request.guess = (self.step, *guess) if drafts and guess else None
                 draft_room -= len(drafts)
         for request_id in paused:
             if request_id in scheduled:
                 self.requests[request_id].draft_pause -= 1
 
-    def _propose(self, chosen: list[int], room: int) -> dict[int, tuple[int, ...]]:
-        """The drafts each speculating request of `chosen` may verify this step, all proposed in one go: at most
-        its bound and `room` (the decodes share what is left of it first come, first served), and never more
-        than its limits leave room for (the step emits up to len(drafts) + 1 tokens)."""
+    def _propose(self, chosen: list[int], room: int) -> dict[int, tuple[tuple[int, ...], tuple]]:
+        """The drafts each speculating request of `chosen` may verify this step: at most its bound and `room`
+        (the decodes share what is left of it first come, first served), and never more than its limits leave
+        room for (the step emits up to len(drafts) + 1 tokens). A device drafter's are placeholders, drafted
+        and put in place by the executor (drafter.py).
+
+        With a host drafter, a request whose newest token is in flight drafts after a guess of what that step
+        emits: its drafts, all accepted, then the drafter's next token (or that token alone,
+        when those drafts were themselves drafted after a wrong guess, and so are likely all rejected). With
+        each request's drafts comes that guess and how many of its tokens are the step's drafts (empty for the
+        others), checked when the step is committed."""
         if self.drafter is None:
             return {}
-        ids, asks = [], []
+        on_device = not drafts_on_host(self.drafter)
+        vocab = self.config.vocab_size
+        drafts = {}
         for request_id in chosen:
             request = self.requests[request_id]
             if not _drafts_now(request):
@@ -211,17 +254,25 @@ class Scheduler:
             limit = min(request.spec.num_draft_tokens, room,
                         request.spec.max_new_tokens - request.num_sampled - 1,
                         self.config.max_context - request.length - 1)
-            if limit >= 1:
-                ids.append(request_id)
-                asks.append(DraftRequest(request.tokens, request.cells.cells[:request.num_computed], limit))
-        vocab = self.config.vocab_size
-        drafts = {}
-        for request_id, ask, proposal in zip(ids, asks, propose_all(self.drafter, asks)):
-            proposed = [int(t) for t in proposal[:ask.max_drafts]]
-            drafts[request_id] = tuple(itertools.takewhile(lambda t: t >= 0 and (vocab is None or t < vocab),
-                                                           proposed))
-            if not drafts[request_id]:
-                _missed(self.requests[request_id])
+            if limit < 1:
+                continue
+            if on_device:  # the executor drafts them as it launches the step
+                drafts[request_id] = ((PLACEHOLDER_TOKEN,) * limit, ())
+                continue
+            in_flight = self._in_flight_chunk(request)
+            prior = ()
+            if in_flight is not None and request.off_track_step != self.step - 1:
+                prior = in_flight.drafts
+            asked = limit + (in_flight is not None)  # (behind a step in flight, the first is the guess)
+            proposal = self.drafter.propose(request.tokens + list(prior), asked)
+            proposed = tuple(itertools.takewhile(lambda t: t >= 0 and (vocab is None or t < vocab),
+                                                 (int(t) for t in proposal[:asked])))
+            if in_flight is None:
+                drafts[request_id] = (proposed, ())
+            else:  # the first proposed token is the guess of the newest token, the rest are drafts
+                drafts[request_id] = (proposed[1:], (prior + proposed[:1], len(prior)))
+            if not drafts[request_id][0]:
+                _missed(request)
         return drafts
 
     def _can_allocate_freely(self, count: int) -> bool:
@@ -272,8 +323,9 @@ class Scheduler:
         """Schedule the request's next `count` tokens, and `drafts` after them (cells already allocated)."""
         start = request.num_computed
         # The next token is the in-flight sample when every known token is already scheduled.
-        previous = self._sampling_index[request.id] if start == len(request.tokens) else None
-        request.num_computed += count
+        previous = self._sampling_index[request.id] if start >= len(request.tokens) else None
+        request.num_computed += count + len(drafts)
+        request.num_unverified += len(drafts)
         request.stats.prefilled_tokens += max(0, min(request.num_prompt, request.num_computed) - start)
         samples = request.num_computed == request.length
         if samples:
@@ -363,7 +415,7 @@ class Scheduler:
         for c in plan.chunks:
             request = self.requests[c.request_id]
             if c.drafts:
-                chunks.append(_verifying_chunk(request, c))
+                chunks.append(_verifying_chunk(request, c, not drafts_on_host(self.drafter)))
                 continue
             if c.previous_sample is None:
                 tokens = tuple(request.tokens[c.start:c.start + c.num_tokens])
@@ -394,8 +446,17 @@ class Scheduler:
             assert request.num_unresolved > 0, "a sample came back that was not scheduled"
             request.num_unresolved -= 1
             if emitted is not None:
-                self._resolve_drafts(request, chunk, len(emitted) - 1)
-            for new_token in emitted if emitted is not None else (token,):
+                self._resolve_drafts(request, chunk, len(emitted) - 1, plan.step)
+            else:
+                emitted = (token,)
+            if request.guess is not None and request.guess[0] > plan.step:  # drafted after a guess of this step
+                follower, guessed, num_drafts = request.guess
+                if guessed != emitted:
+                    request.off_track_step = follower
+                if guessed[:num_drafts] != emitted[:num_drafts]:
+                    request.unjudged_step = follower
+                request.guess = None
+            for new_token in emitted:
                 request.tokens.append(new_token)
                 request.stats.completion_tokens += 1
                 reason = self._finish_reason(request, new_token)
@@ -422,8 +483,12 @@ class Scheduler:
             self.allocator.free(own[copies].copy())
             own[copies] = cached[copies]
 
-    def _resolve_drafts(self, request: Request, chunk: ScheduledChunk, num_accepted: int) -> None:
-        """The accepted drafts' cells hold their tokens' K/V: count them computed; free the rejected ones' cells."""
+    def _resolve_drafts(self, request: Request, chunk: ScheduledChunk, num_accepted: int, step: int) -> None:
+        """The accepted drafts' cells hold their tokens' K/V; the rejected ones are no longer counted computed, and
+        as many cells go from the end of the request's cells: a chunk planned behind this one took its cells
+        for all of these drafts accepted, and runs (on the device) that many positions earlier."""
+        rejected = len(chunk.drafts) - num_accepted
+        request.num_unverified -= len(chunk.drafts)
         request.stats.draft_tokens += len(chunk.drafts)
         request.stats.accepted_tokens += num_accepted
         request.stats.verify_steps += 1
@@ -432,10 +497,10 @@ class Scheduler:
         self.num_verify_steps += 1
         if num_accepted:
             request.draft_misses = 0
-        else:
+        elif step != request.unjudged_step:  # (drafts that followed rejected ones: that miss is counted already)
             _missed(request)
         if request.status is RequestStatus.RUNNING:  # (a preempted request holds none of these cells any more)
-            request.num_computed += num_accepted
+            request.num_computed -= rejected
             self.allocator.free(request.cells.truncate(request.num_computed))
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
@@ -528,9 +593,10 @@ def _missed(request: Request) -> None:
     request.draft_pause = min(MAX_DRAFT_PAUSE, 2 ** (request.draft_misses - 1))
 
 
-def _verifying_chunk(request: Request, chunk: ScheduledChunk) -> Chunk:
-    """The executor's chunk for a verifying decode: its pending token and drafts, and the request's draws for
-    each row's position (row j decides the token at position start + 1 + j)."""
+def _verifying_chunk(request: Request, chunk: ScheduledChunk, drafts_on_device: bool) -> Chunk:
+    """The executor's chunk for a verifying decode: its pending token and drafts (or their placeholders, which
+    the executor's device drafter fills), and the request's draws for each row's position (row j decides the
+    token at position start + 1 + j)."""
     spec = request.spec
     num_rows = len(chunk.drafts) + 1
     positions = range(chunk.start + 1, chunk.start + 1 + num_rows)
@@ -539,9 +605,10 @@ def _verifying_chunk(request: Request, chunk: ScheduledChunk) -> Chunk:
     else:
         accept = tuple(request.random.uniform(p, DrawPurpose.ACCEPT) for p in positions[:-1])
         sample = tuple(request.random.uniform(p, DrawPurpose.SAMPLE) for p in positions)
-    tokens = (request.tokens[chunk.start],) + chunk.drafts
-    return Chunk(request.cells.cells, tokens, chunk.start, spec.sampling, request_id=request.id, drafts=chunk.drafts,
-                 accept_uniforms=accept, sample_uniforms=sample)
+    pending = request.tokens[chunk.start] if chunk.previous_sample is None else PLACEHOLDER_TOKEN
+    return Chunk(request.cells.cells, (pending,) + chunk.drafts, chunk.start, spec.sampling,
+                 previous_sample=chunk.previous_sample, request_id=request.id, drafts=chunk.drafts,
+                 accept_uniforms=accept, sample_uniforms=sample, drafts_on_device=drafts_on_device)
 
 
 def _banned(request: Request) -> tuple[int, ...]:

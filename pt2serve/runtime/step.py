@@ -71,8 +71,11 @@ class Chunk:
     """Tokens start..start+len(tokens)-1 of one sequence; `sampling` set when its next token is wanted.
 
     A decode whose token is the one sampled for this sequence by the step still in flight does not know it on
-    the host: `previous_sample` is the index of that sampling chunk in the previous step's chunk list, its one
-    token is a placeholder, and the executor copies the sampled id into place on the device.
+    the host: `previous_sample` is the index of that sampling chunk in the previous step's chunk list, its
+    first token is a placeholder, and the executor copies the sampled id into place on the device. When that
+    chunk verifies drafts, the id is the last token it emits, and the chunk was planned as if every one of
+    those drafts were accepted: the executor moves its positions back by the rejected ones (and rereads its
+    write cells at the new positions), on the device.
 
     Log probabilities (see logprobs.py): `logprobs` (a number of alternatives) scores the sampled token;
     `prompt_targets` are the tokens that follow the chunk's first len(prompt_targets) tokens, each of which
@@ -84,7 +87,8 @@ class Chunk:
 
     Speculation (verify.py): a chunk whose last len(drafts) tokens are `drafts` is verified, not sampled: all
     its rows are scored, and per row `accept_uniforms` (one per draft) and `sample_uniforms` (one per row) are
-    the request's draws for the token at that row's position.
+    the request's draws for the token at that row's position. With `drafts_on_device` the drafts are
+    placeholders: a device drafter drafts them as the step launches and they go into its inputs there.
     """
 
     cells: np.ndarray  # the sequence's cells for positions 0 .. start + len(tokens) - 1
@@ -103,6 +107,7 @@ class Chunk:
     drafts: tuple[int, ...] = ()
     accept_uniforms: tuple[float, ...] = ()
     sample_uniforms: tuple[float, ...] = ()
+    drafts_on_device: bool = False  # its drafts are placeholders: the executor's device drafter writes them
 
     @property
     def end(self) -> int:
@@ -124,12 +129,15 @@ class MethodCall:
     sizes: tuple[int, ...]  # length of each input region, in FORWARD_INPUTS order
     sampled_chunks: tuple[int, ...]  # index (in the step's chunk list) of each output row, in row order
     num_tokens: int  # real tokens, without padding
-    # (token row, index of the previous step's chunk whose sampled id goes there), for placeholder tokens
-    placeholders: tuple[tuple[int, int], ...] = ()
+    # (first token row, rows, index of the previous step's chunk whose sampled id goes in the first row), for
+    # chunks whose first token is a placeholder: a decode, or a verifying chunk whose drafts follow it
+    placeholders: tuple[tuple[int, int, int], ...] = ()
     # (chunk index, rows): logit rows after the sampled ones, each chunk's scored prompt rows, in order
     prompt_rows: tuple[tuple[int, int], ...] = ()
     # index of each verifying chunk, in row order: its 1 + len(drafts) rows follow the sampled rows
     verified_chunks: tuple[int, ...] = ()
+    # (first draft row, drafts, chunk index) of each verifying chunk whose drafts a device drafter writes
+    device_drafts: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_entries(self) -> int:
@@ -261,10 +269,13 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None) -> Meth
     if scored_rows:
         logit_rows[before_scored:after] = np.concatenate(scored_rows)
     logit_rows[after:] = num_tokens - 1  # extra rows: any valid token; their logits are ignored
-    # A placeholder chunk is one token (a decode), so its row is its chunk's last row; its token stays 0 here.
+    # A placeholder chunk is a decode (one token, or its pending token then drafts); its first token stays 0 here.
     placeholders = tuple(
-        (int(row_ends[i]), c.previous_sample) for i, c in enumerate(chunks) if c.previous_sample is not None
+        (int(row_starts[i]), len(c.tokens), c.previous_sample) for i, c in enumerate(chunks)
+        if c.previous_sample is not None
     )
+    device_drafts = tuple((int(row_starts[i]) + 1, len(chunks[i].drafts), piece[i][0]) for i in verified
+                          if chunks[i].drafts_on_device)
     return MethodCall(
         method=method,
         width=width,
@@ -275,4 +286,5 @@ def pack(piece: list[tuple[int, Chunk]], method: str, width: int | None) -> Meth
         placeholders=placeholders,
         prompt_rows=tuple((piece[i][0], len(chunks[i].prompt_targets)) for i in scored),
         verified_chunks=tuple(piece[i][0] for i in verified),
+        device_drafts=device_drafts,
     )
