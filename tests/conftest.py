@@ -56,11 +56,11 @@ TEST_MAX_CELLS = 4096
 # force static methods).
 RECALL_FORWARD_SIZES = (4, 32)
 DESIGNED_PRESETS = ("toy-greedy", "toy-recall")
-# Compile workers of a test export. In a run of its own, two workers keep both cores compiling; under
-# pytest-xdist two test processes already share the cores, so each compiles in process, which spares
-# starting two worker interpreters per export (about 20 s of CPU each time on 2 cores).
+# Test exports compile in process: under pytest-xdist two test processes already share the cores (worker
+# interpreters would cost about 20 s of CPU an export on 2 cores), and the samplers shared across a run's
+# exports (shared_samplers) live in this process, where spawned workers could not reach them.
 IS_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
-TEST_EXPORT_JOBS = 1 if IS_XDIST_WORKER else 2
+TEST_EXPORT_JOBS = 1
 
 
 def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
