@@ -9,6 +9,7 @@ The ways are pt2serve/bench/invariance.py's (scripts/batch_invariance.py prints 
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -16,14 +17,12 @@ import pytest
 import torch
 
 from commands import run_in_one_interpreter
-from conftest import DETERMINISTIC_FORWARD_SIZES, served
+from conftest import served
 from pt2serve.bench.invariance import OTHER_CELLS, OTHERS_FROM, PoolRuns, decode, prompt_chunk
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.executor import ExecutorConfig
 from pt2serve.runtime.runner import RunnerConfig
-
-WIDEST = max(DETERMINISTIC_FORWARD_SIZES)
 
 
 @pytest.fixture(scope="module")
@@ -47,27 +46,47 @@ def with_company(target, others: list, rng: np.random.Generator) -> tuple[list, 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_a_prompts_logits_are_the_same_bits_every_way(runs, seed):
+    assert_the_same_bits_every_way(runs, seed)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_prompts_logits_are_the_same_bits_every_way_on_the_gpu(seed):
+    """The same on a CUDA artifact exported with --deterministic (PT2SERVE_CUDA_DETERMINISTIC_ARTIFACT)."""
+    path = os.environ.get("PT2SERVE_CUDA_DETERMINISTIC_ARTIFACT")
+    if not path:
+        pytest.skip("set PT2SERVE_CUDA_DETERMINISTIC_ARTIFACT to a CUDA artifact exported with --deterministic")
+    assert_the_same_bits_every_way(PoolRuns(path, seed=0), seed)
+
+
+def assert_the_same_bits_every_way(runs: PoolRuns, seed: int) -> None:
+    """A random prompt's last logit row prefilled whole (forward_others) equals, bit for bit: the prompt in random
+    chunks (forward_others, the widest static width, a token at a time on the narrowest), and its last token
+    after a cached prefix alone on every method, among 1 .. widest - 1 others on the widest width, among up to
+    63 others and beside a prefill chunk on forward_others; the K/V cells written are the same bits too."""
     rng = np.random.default_rng(seed)
+    widths = runs.artifact.metadata.forward_sizes
+    narrowest, widest = widths[0], widths[-1]
     length = int(rng.integers(12, 90))
     prompt = runs.random_tokens(length)
     whole, whole_state = runs.prefill(prompt, [length])  # on forward_others
     ways, states = {}, {}
     for name, cuts, width in (("random chunks, forward_others", random_cuts(rng, length, 40), None),
-                              (f"chunks of up to {WIDEST}, forward_{WIDEST}", random_cuts(rng, length, WIDEST), WIDEST),
-                              ("a token at a time, forward_1", [1] * length, 1)):
+                              (f"chunks of up to {widest}, forward_{widest}", random_cuts(rng, length, widest), widest),
+                              (f"a token at a time, forward_{narrowest}", [1] * length, narrowest)):
         ways[name], states[name] = runs.prefill(prompt, cuts, width)
 
     # A prefix-cache hit: all but the last token computed earlier (in chunks), the last one then a decode.
     _, prefix = runs.prefill(prompt[:-1], random_cuts(rng, length - 1, 30))
     last = decode(1, length - 1, prompt[-1])
-    for width in (*DETERMINISTIC_FORWARD_SIZES, None):
+    for width in (*widths, None):
         method = f"forward_{width}" if width else "forward_others"
         ways[f"cached prefix, last token alone, {method}"] = runs.logits([last], width, prefix.clone())[0]
-    for count in range(1, WIDEST):
+    for count in range(1, widest):
         chunks, place = with_company(last, runs.others(count), rng)
-        ways[f"cached prefix, last token among {count} others, forward_{WIDEST}"] = runs.logits(
-            chunks, WIDEST, prefix.clone())[place]
-    for count in (WIDEST, 31, 63):
+        ways[f"cached prefix, last token among {count} others, forward_{widest}"] = runs.logits(
+            chunks, widest, prefix.clone())[place]
+    for count in (widest, 31, 63):
         chunks, place = with_company(last, runs.others(count), rng)
         ways[f"cached prefix, last token among {count} others, forward_others"] = runs.logits(
             chunks, None, prefix.clone())[place]
