@@ -20,6 +20,7 @@ from commands import run_in_one_interpreter
 from conftest import served
 from pt2serve.bench.invariance import OTHER_CELLS, OTHERS_FROM, PoolRuns, decode, prompt_chunk
 from pt2serve.errors import Pt2ServeError
+from pt2serve.export.options import ExportOptions
 from pt2serve.runtime.engine import open_runner
 from pt2serve.runtime.executor import ExecutorConfig
 from pt2serve.runtime.runner import RunnerConfig
@@ -107,6 +108,13 @@ def test_a_default_export_is_not_batch_invariant(tiny_artifact):
     runs = PoolRuns(tiny_artifact, seed=0)
     target = decode(1, 40, 7)
     assert not torch.equal(runs.logits([target], 1)[0], runs.logits([target], 8)[0])
+
+
+def test_export_refuses_what_it_cannot_make_deterministic(tmp_path):
+    options = ExportOptions(backend="cpu", output=tmp_path / "q.pt2", preset="tiny-random", quantize="int8",
+                            deterministic=True)
+    with pytest.raises(Pt2ServeError, match="--deterministic with --quantize"):
+        options.validate()
 
 
 def test_the_runtime_refuses_an_artifact_not_built_for_it(tiny_artifact, deterministic_artifact):

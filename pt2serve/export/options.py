@@ -165,6 +165,9 @@ class ExportOptions:
             raise Pt2ServeError("--group-size, --quantize-lm-head and --quantize-embedding need --quantize fp8|int8|int4")
         if self.quantize is not None:
             self.quant_scheme  # noqa: B018  (raises on a bad value or combination)
+        if self.deterministic and self.backend == "cuda" and self.attention_impl is not AttentionImpl.KERNEL:
+            raise Pt2ServeError("--deterministic on cuda needs --attention kernel: the masked path's reductions are "
+                                "tiled by Inductor per width there")
         if self.deterministic and self.quantize is not None:
             raise Pt2ServeError("--deterministic with --quantize is not supported yet: the quantized layers' kernels "
                                 "split their sums by the step's width; export one or the other")
