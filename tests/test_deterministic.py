@@ -120,11 +120,11 @@ def test_export_refuses_what_it_cannot_make_deterministic(tmp_path):
 def test_the_runtime_refuses_an_artifact_not_built_for_it(tiny_artifact, deterministic_artifact):
     with pytest.raises(Pt2ServeError, match="not exported with --deterministic"):
         open_runner(tiny_artifact, executor_config=ExecutorConfig(deterministic=True))
-    (inspected, _, _), (code, _, err) = run_in_one_interpreter([
+    (inspected, shown, _), (code, _, err) = run_in_one_interpreter([
         ["inspect", str(deterministic_artifact)],
         ["generate", str(tiny_artifact), "--prompt", "Hi", "--max-new-tokens", "1", "--deterministic"],
     ])
-    assert inspected == 0
+    assert inspected == 0 and "deterministic" in shown and "yes:" in shown
     assert code == 2 and "not exported with --deterministic" in err and "Traceback" not in err
 
 

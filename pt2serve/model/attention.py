@@ -53,7 +53,7 @@ class StepAttention:
     ) -> None:
         self.impl = impl
         self.positions, self.token_seq, self.seq_indptr, self.seq_cells = positions, token_seq, seq_indptr, seq_cells
-        self.window = deterministic_context
+        self.deterministic_context = deterministic_context
         if impl is AttentionImpl.KERNEL:
             num_seqs = seq_indptr.shape[0] - 1
             self.query_indptr = ops.query_indptr(token_seq, num_seqs)
@@ -75,7 +75,7 @@ class StepAttention:
                 q, k_pool, v_pool, self.positions, self.token_seq, self.query_indptr, self.seq_indptr,
                 self.seq_cells, self.block_seq_end, *dataclasses.astuple(self.config), k_scale, v_scale,
             )
-        if self.window is not None:
+        if self.deterministic_context is not None:
             return ops.window_cell_attention(q, k_pool, v_pool, self.positions, self.token_seq, self.seq_indptr,
-                                             self.seq_cells, self.window, k_scale, v_scale)
+                                             self.seq_cells, self.deterministic_context, k_scale, v_scale)
         return ops.masked_cell_attention(q, k_pool, v_pool, self.seq_cells, self.mask, k_scale, v_scale)

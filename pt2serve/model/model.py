@@ -167,7 +167,7 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
                 self.q_norm.eps if self.q_norm is not None else 0.0, self.num_heads, self.num_kv_heads,
-                self.k_scale, self.v_scale,
+                self.k_scale, self.v_scale, attend.deterministic_context is not None,
             )
         else:
             q = self._rope_and_store(qkv, cos, sin, write_cells, k_pool, v_pool)
