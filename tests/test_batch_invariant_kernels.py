@@ -153,3 +153,31 @@ def test_attention_row_is_the_same_at_every_call_site_decode_or_prefill():
     reference = ops.masked_cell_attention(queries[-1:].double(), pool[0].double(), pool[1].double(),
                                           torch.tensor(cells), mask)[0]
     torch.testing.assert_close(first.double(), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_and_store_rows_do_not_depend_on_the_others():
+    """With qk norms (Qwen3's), a token's rotated q and its K/V cells alone and as row 17 of 20 tokens."""
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU, and Triton was not put in interpreter mode")
+    from pt2serve.kernels import rope_store  # noqa: F401  (registers the operator)
+
+    heads, kv_heads, head_dim = 4, 2, 64
+    generator = torch.Generator().manual_seed(5)
+    norms = [(torch.rand(head_dim, generator=generator) + 0.5).to(DEVICE) for _ in range(2)]
+    width = (heads + 2 * kv_heads) * head_dim
+    row = torch.randn(1, width, generator=generator)
+    angles = torch.rand(20, head_dim, generator=generator)
+
+    def run(num_tokens: int, place: int):
+        qkv = rows_with_company(row[0], num_tokens, place, seed=num_tokens).to(DEVICE)
+        step_angles = torch.cat([angles[:num_tokens - 1], angles[-1:]]) if num_tokens > 1 else angles[-1:]
+        step_angles = step_angles.roll(place - (num_tokens - 1), 0).to(DEVICE)
+        cells = torch.arange(1, num_tokens + 1, device=DEVICE)
+        pools = [torch.zeros(32, kv_heads, head_dim, device=DEVICE) for _ in range(2)]
+        q = torch.ops.pt2serve.rope_and_store(qkv, step_angles.cos(), step_angles.sin(), cells, *pools, *norms, 1e-6,
+                                              heads, kv_heads, None, None, True)
+        return q[place], [pool[place + 1] for pool in pools]
+
+    alone_q, alone_kv = run(1, 0)
+    q, kv = run(20, 17)
+    assert torch.equal(q, alone_q) and all(torch.equal(a, b) for a, b in zip(kv, alone_kv))
