@@ -7,8 +7,9 @@ micro-kernel's tail rows take another path again (on the CPU, with the tiny pres
 to 6.7e-6 between forward_1 and forward_8, and the last row of 32 differed: scripts/batch_invariance.py). So:
 - on the CPU a matmul is written as a product summed over K, which Inductor compiles into a reduction loop per
   output element: every element's sum runs over K in the same (vectorised) order at any M, static or dynamic
-  (measured bit for bit at M = 1 .. 80, tests/test_deterministic.py); RMSNorm stays Inductor's row reduction,
-  the same kind of loop over the hidden size;
+  (bit for bit at M = 1 .. 80 in tests/test_batch_invariant_kernels.py, and through whole exports in
+  tests/test_deterministic.py); RMSNorm stays Inductor's row reduction, the same kind of loop over the hidden
+  size;
 - on CUDA both run Triton kernels with one launch config for every M (kernels/batch_invariant_triton.py):
   the same tile and K order for a row at every width, a split of K fixed by the weight's shape, and partial
   sums added in a fixed order.

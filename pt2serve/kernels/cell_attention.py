@@ -166,7 +166,7 @@ def window_cell_attention(
     its own sequence's positions (slots past its position hidden), so every sum a row takes runs over the same
     slots in the same order whatever shares the step, however many entries the step lists and wherever its
     sequence's entries start. masked_cell_attention's sums run over the step's whole entry list instead, and
-    where a sequence's entries start in it (after those of the sequences before it) moves its terms to other
+    where a sequence's entries start in it (after those of the sequences before it) can move its terms to other
     lanes of the vectorised sums.
 
     The products are summed by Inductor-generated loops, not a BLAS call, for the reason kernels/batch_invariant.py
