@@ -118,7 +118,8 @@ def attention_row(pool, sequences: list[Sequence], target: int, config: ops.Laun
 def test_attention_row_is_the_same_at_every_call_site_decode_or_prefill():
     """One row (position 300: 5 segments of 64) as a decode alone and beside others, through a static width's
     config (one program per segment, merged) and forward_others' (one program folds them), and as the last
-    token of prefill chunks of 21 and 101 tokens: the same bits, and the reference's values."""
+    token of prefill chunks of 21 and 101 tokens: the same bits, and the reference's values; with the default
+    configs a decode and a chunk's row differ."""
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU, and Triton was not put in interpreter mode")
     generator = torch.Generator().manual_seed(4)
@@ -153,6 +154,10 @@ def test_attention_row_is_the_same_at_every_call_site_decode_or_prefill():
     reference = ops.masked_cell_attention(queries[-1:].double(), pool[0].double(), pool[1].double(),
                                           torch.tensor(cells), mask)[0]
     torch.testing.assert_close(first.double(), reference, rtol=1e-5, atol=1e-5)
+    # The default launch configs (split by the width's sequences, prefill tiles for forward_others) differ.
+    split_decode = attention_row(pool, [target(1)], 0, ops.LaunchConfig.for_call(1, 1, HEADS, KV_HEADS))
+    prefill_chunk = attention_row(pool, [target(21)], 0, ops.LaunchConfig.for_call(None, 1, HEADS, KV_HEADS))
+    assert not torch.equal(split_decode, prefill_chunk)
 
 
 def test_rope_and_store_rows_do_not_depend_on_the_others():
