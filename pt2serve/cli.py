@@ -22,7 +22,7 @@ from pt2serve.export.defaults import (
     DEFAULT_MAX_STEP_TOKENS,
     DEFAULT_MIN_PREFILL_CHUNK,
 )
-from pt2serve.runtime_flags import num_draft_tokens_option, speculate_option, speculation
+from pt2serve.runtime_flags import deterministic_option, num_draft_tokens_option, speculate_option, speculation
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
@@ -102,6 +102,13 @@ def export_command(
              "and each tile config of a quantized weight's kernel, and build each method with the fastest "
              "(recorded in the metadata; nothing is tuned at load).",
     ),
+    deterministic: bool = typer.Option(
+        False, "--deterministic/--no-deterministic",
+        help="Build methods whose every row's logits are the same bits whatever shares its step, whichever "
+             "method runs it, however its prompt is chunked and whether its prefix comes from the cache "
+             "(batch-invariant matmuls, norms and attention; no matmul tuning; not with --quantize). "
+             "serve-artifact, bench and generate --deterministic require such an artifact.",
+    ),
 ) -> None:
     """Trace a model and compile it into one multi-method .pt2 package."""
     from pt2serve.export.exporter import export
@@ -119,7 +126,7 @@ def export_command(
         max_context=max_context, graph_entries=graph_entries, min_prefill_chunk=min_prefill_chunk, jobs=jobs,
         device_index=device_index, quantize=quantize, group_size=group_size, quantize_lm_head=quantize_lm_head,
         quantize_embedding=quantize_embedding, tune_matmuls=tune_matmuls, revision=revision, hf_token=hf_token,
-        draft=draft, draft_sizes=parse_sizes(draft_sizes),
+        draft=draft, draft_sizes=parse_sizes(draft_sizes), deterministic=deterministic,
     )
     try:
         summary = export(options)
@@ -169,6 +176,7 @@ def inspect_command(
         ("weights", f"{len(meta['weights'])} tensors"),
         ("quantization", describe_quantization_record(meta.get("quantization"))),
         ("small-step matmuls", describe_linear_kernels(meta.get("linear_kernels"), meta["backend"])),
+        ("deterministic", describe_determinism(metadata)),
         ("draft", describe_draft_record(meta.get("draft"))),
         ("tokenizer", "yes" if meta.get("tokenizer") else "no (token ids only)"),
         ("built with", f"torch {built['torch']}, cuda {built['cuda']}, {built.get('gpu_arch') or 'cpu'}"),
@@ -178,6 +186,13 @@ def inspect_command(
     for key, value in rows:
         table.add_row(key, str(value))
     console.print(table)
+
+
+def describe_determinism(metadata) -> str:
+    """One line for `inspect`: whether a row's logits depend on what else shares its step."""
+    if metadata.deterministic:
+        return "yes: a row's logits are the same bits at every width, in any company, however chunked (--deterministic)"
+    return "no: a row's logits may differ in the last bits with the step's width, company and chunking"
 
 
 def describe_draft_record(record: dict | None) -> str:
@@ -264,6 +279,7 @@ def generate_command(
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="No CUDA graphs (then every step runs forward_others)."),
     speculate: Optional[str] = speculate_option(),
     num_draft_tokens: Optional[int] = num_draft_tokens_option(),
+    deterministic: bool = deterministic_option(),
 ) -> None:
     """Generate from a compiled artifact, streaming the text."""
     from pt2serve.runtime.engine import describe_load, open_runner
@@ -274,7 +290,8 @@ def generate_command(
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         runner_config = RunnerConfig(**speculation(speculate, num_draft_tokens))
-        runner = open_runner(artifact, device, ExecutorConfig(use_cuda_graphs=not no_cuda_graphs), runner_config)
+        executor_config = ExecutorConfig(use_cuda_graphs=not no_cuda_graphs, deterministic=deterministic)
+        runner = open_runner(artifact, device, executor_config, runner_config)
     except Pt2ServeError as err:
         fail(str(err))
     console.print(f"[dim]{describe_load(runner)}[/]")

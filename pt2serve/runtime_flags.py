@@ -89,6 +89,15 @@ def kv_pool(num_cells: int | None, kv_memory_fraction: float | None) -> dict[str
     return {name: value for name, value in given.items() if value is not None}
 
 
+def deterministic_option() -> Any:
+    return typer.Option(
+        False, "--deterministic", help="Require an artifact exported with --deterministic (refused otherwise), "
+        "whose every row's logits are the same bits whatever shares its step, whichever method runs it, however "
+        "its prompt is chunked and whether its prefix comes from the cache; seeded sampling then repeats exactly. "
+        "Such an artifact behaves so without the flag too: the flag makes it a requirement."
+    )
+
+
 SPECULATION_METHODS = ("none", "ngram", "dflash")
 
 

@@ -162,6 +162,18 @@ def fp8_artifact(tmp_path_factory) -> Path:
         export_options_for_tests("toy-greedy", path), **FP8_EXPORT), tmp_path_factory)
 
 
+# tiny-random exported with --deterministic, with the fewest methods its tests need: one-token and eight-token
+# static widths (a decode alone, and beside up to 7 others) and forward_others (wider company, prompts).
+DETERMINISTIC_FORWARD_SIZES = (1, 8)
+
+
+@pytest.fixture(scope="session")
+def deterministic_artifact(tmp_path_factory) -> Path:
+    return exported("tiny-random-deterministic", lambda path: dataclasses.replace(
+        export_options_for_tests("tiny-random", path), forward_sizes=DETERMINISTIC_FORWARD_SIZES, deterministic=True),
+        tmp_path_factory)
+
+
 @pytest.fixture(scope="session")
 def toy_artifact(tmp_path_factory) -> Path:
     return exported("toy-greedy", lambda path: export_options_for_tests("toy-greedy", path), tmp_path_factory)

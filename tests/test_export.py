@@ -411,6 +411,7 @@ def test_metadata_round_trips(tiny_artifact, model):
     assert raw["min_prefill_chunk"] == DEFAULT_MIN_PREFILL_CHUNK
     assert raw["dtype"] == "fp32"
     assert raw["backend"] == "cpu"
+    assert raw["deterministic"] is False
     assert raw["built_with"]["torch"] == torch.__version__
     assert raw["content_hash"] == weights_hash(config.to_dict(), model_weights(model))
     assert raw["tokenizer"] == json.loads(json.dumps(byte_tokenizer_files().to_dict()))

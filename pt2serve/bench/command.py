@@ -13,6 +13,7 @@ from pt2serve.bench.startup import DEFAULT_RUNS
 from pt2serve.cli_errors import fail
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime_flags import (
+    deterministic_option,
     kv_memory_fraction_option,
     kv_pool,
     max_decode_sequences_option,
@@ -124,6 +125,7 @@ def bench_command(
     no_cuda_graphs: bool = typer.Option(
         False, "--no-cuda-graphs", help="In-process runs without CUDA graphs (then every step runs forward_others)."
     ),
+    deterministic: bool = deterministic_option(),
     timeout: float = typer.Option(600.0, help="Seconds a sweep row, or each requests run, may take (startup: "
                                   "each launch until ready)."),
     runs: Optional[int] = typer.Option(None, help=f"startup: server launches (default {DEFAULT_RUNS})."),
@@ -145,7 +147,7 @@ def _run(
     turns, system_tokens, requests, max_new_tokens, stagger_ms, request_rate, request_rates, ttft_target_ms,
     tpot_target_ms, seed, token_budget, max_decode_sequences, min_prefill_chunk, prefix_cache, speculate,
     num_draft_tokens, url, model, device,
-    num_cells, kv_memory_fraction, no_cuda_graphs, timeout, runs, eager_peer, json_path, plot,
+    num_cells, kv_memory_fraction, no_cuda_graphs, deterministic, timeout, runs, eager_peer, json_path, plot,
 ) -> None:
     # Every flag as given, for the JSON report (taken first, before the imports below add names).
     flags = {("json" if name == "json_path" else name): value for name, value in locals().items()}
@@ -200,7 +202,8 @@ def _run(
         raise Pt2ServeError("--mode quality compares two artifacts: give PATH.pt2 and --reference REF.pt2")
     if url is not None:
         in_process = {**runner_flags, "--num-cells": num_cells, "--kv-memory-fraction": kv_memory_fraction,
-                      "--device": device, "--no-cuda-graphs": no_cuda_graphs or None}
+                      "--device": device, "--no-cuda-graphs": no_cuda_graphs or None,
+                      "--deterministic": deterministic or None}
         given = [name for name, value in in_process.items() if value is not None]
         if given:
             raise Pt2ServeError(f"{', '.join(given)} only apply to in-process runs; a server at --url has its own "
@@ -213,7 +216,8 @@ def _run(
     if artifact is None and url is None:
         raise Pt2ServeError("give the artifact to benchmark (PATH.pt2), or --url with --mode requests")
     raw = read_metadata(artifact).raw if artifact is not None else None  # a missing or bad artifact fails here
-    executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
+    executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs,
+                                     deterministic=deterministic)
     budget = step_budget(token_budget, max_decode_sequences, min_prefill_chunk)
     speculating = speculation(speculate, num_draft_tokens)
     if plot is not None:

@@ -29,6 +29,7 @@ from pt2serve.export.methods import (
     trace_forward,
     trace_sampler,
 )
+from pt2serve.kernels import batch_invariant
 from pt2serve.kernels.linear_choice import LinearChoices, using
 from pt2serve.model.attention import AttentionImpl
 from pt2serve.model.checkpoint import load_model
@@ -55,15 +56,28 @@ class CompileJob:
     draft: str | None = None  # a DFlash draft directory: the model taps its layers and holds the draft
     max_draft_cells: int = 0  # the draft pool's largest cell count (with a draft)
     kv_scales: tuple | None = None  # FP8 cells: each layer's (k_scale, v_scale), calibrated once by the export
+    deterministic_context: int | None = None  # --deterministic: the max context (model/attention.py), else None
 
 
-def inductor_options() -> dict:
-    return {
+def inductor_options(deterministic: bool = False) -> dict:
+    options = {
         "aot_inductor.package": True,
         "aot_inductor.package_constants_in_so": False,
         # Dynamic dims are traced with min 2; the runtime may run smaller sizes, which the code handles.
         "aot_inductor.check_lowerbound": False,
     }
+    if deterministic:
+        options.update(deterministic_inductor_options())
+    return options
+
+
+def deterministic_inductor_options() -> dict:
+    """Inductor settings of a deterministic method: no reduction split in two kernels by its size (on the GPU
+    Inductor splits a long reduction over few rows, so a one-row norm would sum in another order than a
+    wide one), and, where this torch has it, Inductor's own batch-invariant mode (torch 2.13's fixes the
+    batch dim's hint when it picks a reduction's tiles). Options this torch lacks are left out."""
+    wanted = {"split_reductions": False, "batch_invariant": True}
+    return {name: value for name, value in wanted.items() if hasattr(torch._inductor.config, name)}
 
 
 def _init_worker(threads_per_worker: int) -> None:
@@ -120,8 +134,10 @@ def compile_method(job: CompileJob, model: Transformer | None = None) -> tuple[s
 def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, list]:
     if model is None:
         model = _job_model(job)
+    model.deterministic_context = job.deterministic_context  # read when the forward is traced
+    deterministic = job.deterministic_context is not None
     if job.spec.name.startswith("forward"):
-        with using(LinearChoices.from_dict(job.linear_choices or {})):
+        with using(LinearChoices.from_dict(job.linear_choices or {})), batch_invariant.tracing(deterministic):
             program, args = trace_forward(model, job.spec, job.max_step_tokens, job.max_cells)
     elif job.spec.name == DRAFT_CONTEXT:
         program, args = trace_draft_context(model, job.max_step_tokens, job.max_draft_cells)
@@ -133,7 +149,7 @@ def _compile_method(job: CompileJob, model: Transformer | None) -> tuple[str, li
         program, args = trace_sampler(job.spec, model.config.vocab_size, job.device)
     inductor_fixes.apply()
     with torch.no_grad():
-        files = torch._inductor.aot_compile(program.module(), args, options=inductor_options())
+        files = torch._inductor.aot_compile(program.module(), args, options=inductor_options(deterministic))
     return job.spec.name, files
 
 

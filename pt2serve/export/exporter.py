@@ -56,7 +56,8 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
         kv_scales = tuple(calibrate_kv_scales(model))
         install_kv_scales(model, kv_scales)
     choices, tuning = LinearChoices({}), None
-    if options.backend == "cuda" and options.tune_matmuls:
+    # A deterministic method takes one batch-invariant matmul at every width: nothing to tune.
+    if options.backend == "cuda" and options.tune_matmuls and not options.deterministic:
         choices, timings = tune(model, options.forward_sizes, show_progress)
         tuning = describe(model, timings) | {"choices": choices.to_dict()}
     specs = method_specs(options.forward_sizes, lambda width: options.entries_for(width, max_context))
@@ -70,7 +71,7 @@ def export(options: ExportOptions, show_progress: bool = True) -> ExportSummary:
         CompileJob(spec, checkpoint, options.preset, options.torch_dtype, options.device,
                    options.max_step_tokens, options.max_cells, options.attention_impl, options.quant_scheme,
                    choices.to_dict(), str(options.draft) if options.draft is not None else None,
-                   max_draft_cells, kv_scales)
+                   max_draft_cells, kv_scales, max_context if options.deterministic else None)
         for spec in specs
     ]
     internal = {spec.name: internal_model_name(i) for i, spec in enumerate(specs)}
@@ -148,6 +149,7 @@ def build_metadata(
         "dtype": options.dtype_name,
         "backend": options.backend,
         "attention": options.attention_impl.value,
+        "deterministic": options.deterministic,
         "methods": {spec.name: method_metadata(spec, internal[spec.name]) for spec in specs},
         "weights": weight_entries(weights),
         "content_hash": weights_hash(config, weights),

@@ -47,6 +47,8 @@ class ExportOptions:
     quantize_lm_head: bool = False
     quantize_embedding: bool = False
     tune_matmuls: bool = True  # cuda: time the small-M kernels against cuBLAS per shape and keep the faster
+    # Every row's logits the same bits whatever shares its step (kernels/batch_invariant.py); not tuned.
+    deterministic: bool = False
     draft: Path | None = None  # a DFlash draft checkpoint directory, exported into the same artifact
     draft_sizes: tuple[int, ...] = DEFAULT_DRAFT_SIZES  # sequences per static draft method
     revision: str | None = None  # of a Hugging Face Hub checkpoint (a branch, tag or commit)
@@ -163,6 +165,12 @@ class ExportOptions:
             raise Pt2ServeError("--group-size, --quantize-lm-head and --quantize-embedding need --quantize fp8|int8|int4")
         if self.quantize is not None:
             self.quant_scheme  # noqa: B018  (raises on a bad value or combination)
+        if self.deterministic and self.backend == "cuda" and self.attention_impl is not AttentionImpl.KERNEL:
+            raise Pt2ServeError("--deterministic on cuda needs --attention kernel: the masked path's reductions are "
+                                "tiled by Inductor per width there")
+        if self.deterministic and self.quantize is not None:
+            raise Pt2ServeError("--deterministic with --quantize is not supported yet: the quantized layers' kernels "
+                                "split their sums by the step's width; export one or the other")
         if self.graph_entries < 1:
             raise Pt2ServeError(f"--graph-entries must be at least 1, got {self.graph_entries}")
         if self.min_prefill_chunk < 1:

@@ -18,6 +18,15 @@ Work is cut into programs of (query block, KV head, split):
   tiles), causal inside the chunk.
 Every program only reads the cells at positions 0 .. its last token's position.
 
+Deterministic artifacts (`LaunchConfig.deterministic`, `segment` > 0) compute each row the same way at every
+call site, decode or prefill, alone or beside others: one tile config everywhere; the row's cells cut into
+segments of `segment` cells at fixed multiples of it (so how many a row has depends on its own position alone),
+each walked from its start in BLOCK_N steps; the segments' (max, sum, output) folded in segment order by one
+formula (`_fold`), whether one program walks them all (forward_others, whose blocks fill the GPU) or one
+program walks each and the merge kernel folds them (static widths, so a lone long decode still spreads). A
+block of a prefill chunk walks past a row's position; those entries are -inf for that row, and a block or a
+segment a row sees nothing of changes its sums by exactly nothing (alpha = exp2(0) = 1, p = 0).
+
 FP8 pools (model/kv_fp8.py): cells hold e4m3 K/V divided by a scale per KV head (k_scale, v_scale [KVH]).
 The kernel widens the e4m3 values as it loads them and folds the scales into per-program scalars: K's into
 the softmax scale, V's into the output. With a bf16 q its dots run in fp16 (q converted once per program):
@@ -51,6 +60,9 @@ TARGET_PROGRAMS = 1024
 # The fewest cells a split walks: 128, or 256 from a width of TARGET_PROGRAMS / 4 programs unsplit up (32
 # decodes at 512 in 2 splits: 30.7 us, in 4: 32.7).
 MIN_SPLIT, WIDE_MIN_SPLIT = 128, 256
+# Deterministic artifacts cut every row's KV walk at multiples of one segment length, at least this many cells
+# and at most MAX_SPLITS segments for the max context.
+MIN_SEGMENT = 256
 
 
 def is_available() -> bool:
@@ -138,6 +150,49 @@ def masked_cell_attention(
     return out.view(num_kv_heads, group, num_tokens, head_dim).permute(2, 0, 1, 3).reshape(num_tokens, num_heads, head_dim)
 
 
+def window_cell_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_pool: torch.Tensor,  # [C, KVH, D]
+    v_pool: torch.Tensor,
+    positions: torch.Tensor,  # [T]
+    token_seq: torch.Tensor,  # [T]
+    seq_indptr: torch.Tensor,  # [R+1]
+    seq_cells: torch.Tensor,  # [E]
+    window: int,  # the artifact's max context: the same in every method
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """The deterministic CPU implementation: each token attends over window slots 0 .. window - 1 that are
+    its own sequence's positions (slots past its position hidden), so every sum a row takes runs over the same
+    slots in the same order whatever shares the step, however many entries the step lists and wherever its
+    sequence's entries start. masked_cell_attention's sums run over the step's whole entry list instead, and
+    where a sequence's entries start in it (after those of the sequences before it) can move its terms to other
+    lanes of the vectorised sums.
+
+    The products are summed by Inductor-generated loops, not a BLAS call, for the reason kernels/batch_invariant.py
+    gives. A step costs T x window whatever its context, which suits the CPU's small test contexts.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, dtype = k_pool.shape[1], q.dtype
+    group = num_heads // num_kv_heads
+    slot = torch.arange(window, device=q.device, dtype=seq_indptr.dtype)
+    entry = (seq_indptr.index_select(0, token_seq)[:, None] + slot[None, :]).clamp(max=seq_cells.shape[0] - 1)
+    cells = seq_cells[entry]  # [T, W]: slot j of token t is its sequence's position j (clamped past the end)
+    k = k_pool[cells].transpose(1, 2).float()  # [T, KVH, W, D], read inside the sum, never stored
+    v = v_pool[cells].transpose(1, 2).float()
+    q = q.float().view(num_tokens, num_kv_heads, group, 1, head_dim)
+    scores = (q * k[:, :, None]).sum(-1) * (head_dim**-0.5)  # [T, KVH, G, W]
+    if k_scale is not None:
+        scores = scores * k_scale.float()[None, :, None, None]
+    visible = slot[None, :] <= positions[:, None]  # [T, W]; slot 0 always: a token sees its sequence's first cell
+    scores = scores.masked_fill(~visible[:, None, None, :], torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs[..., None] * v[:, :, None]).sum(-2)  # [T, KVH, G, D]
+    if v_scale is not None:
+        out = out * v_scale.float()[None, :, None, None]
+    return out.reshape(num_tokens, num_heads, head_dim).to(dtype)
+
+
 # -- the Triton operator --------------------------------------------------------------------------------------
 
 
@@ -156,6 +211,22 @@ class LaunchConfig:
     # (T=4096: 228 -> 275 TFLOP/s, H200); decode tiles lose (64 decodes at 4k: 12.8 -> 15.3 ms a step), so
     # static widths walk one masked loop.
     unmasked_bulk: bool = False
+    # Deterministic artifacts: the cells of a row's fixed segments (the module docstring); 0 elsewhere.
+    segment: int = 0
+
+    @classmethod
+    def deterministic(cls, static: bool, num_heads: int, num_kv_heads: int, max_context: int) -> "LaunchConfig":
+        """The one tile config of a deterministic artifact (prefill-sized: 64 rows, so wide steps load each
+        cell once per 64 rows; a decode leaves rows of it idle). Static widths walk one segment per program
+        (max_splits segments at the max context); forward_others folds a block's segments in one program. No
+        unmasked bulk: its blocks skip the masking, which may let the compiler fuse the scale and the shift
+        into other instructions than the masked walk's."""
+        group = num_heads // num_kv_heads
+        rows = max(64, triton.next_power_of_2(group))
+        segment = max(MIN_SEGMENT, triton.cdiv(triton.cdiv(max_context, MAX_SPLITS), 64) * 64)
+        segments = triton.cdiv(max_context, segment)
+        return cls(rows // group, rows, 64, segments if static else 1, segment, num_warps=4, num_stages=3,
+                   segment=segment)
 
     @classmethod
     def for_call(cls, num_tokens: int | None, num_seqs: int, num_heads: int, num_kv_heads: int) -> "LaunchConfig":
@@ -192,6 +263,15 @@ if triton is not None:
         splits = tl.cdiv(num_entries, MIN_SPLIT)
         splits = tl.minimum(tl.maximum(splits, 1), max_splits)
         return tl.where(num_queries > BLOCK_Q, 1, splits)
+
+    @triton.jit
+    def _fold(m, segment_m):
+        """Deterministic artifacts: the running max after one more segment, and the factors the running sums
+        and the segment's are multiplied by before they are added (the same formula in both kernels). A
+        segment a row saw nothing of (-inf) gives factors 1 and 0: the sums stay exactly as they were."""
+        m_new = tl.maximum(m, segment_m)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        return m_new, tl.math.exp2(m - shift), tl.math.exp2(segment_m - shift)
 
     @triton.jit
     def _attend_block(
@@ -257,6 +337,8 @@ if triton is not None:
         HAS_KV_SCALES: tl.constexpr,
         FP16_DOTS: tl.constexpr,  # FP8 pools under a bf16 q: both dots in fp16 (the module docstring says why)
         UNMASKED_BULK: tl.constexpr,
+        SEGMENT: tl.constexpr,  # deterministic: cells per segment (0: the split rule)
+        FOLD_SEGMENTS: tl.constexpr,  # deterministic: this program walks and folds all its block's segments
     ):
         GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
         block = tl.program_id(0)
@@ -271,9 +353,10 @@ if triton is not None:
             return  # the grid is an upper bound on the number of query blocks
         entry_start = tl.load(seq_indptr_ptr + seq)
         num_entries = tl.load(seq_indptr_ptr + seq + 1) - entry_start
-        splits = _num_splits(num_queries, num_entries, max_splits, BLOCK_Q, MIN_SPLIT)
-        if split >= splits:
-            return
+        if SEGMENT == 0:
+            splits = _num_splits(num_queries, num_entries, max_splits, BLOCK_Q, MIN_SPLIT)
+            if split >= splits:
+                return
 
         # Rows: BLOCK_Q tokens x GROUP heads of this KV head, token-major.
         rows = tl.arange(0, BLOCK_M)
@@ -293,7 +376,13 @@ if triton is not None:
         # a split takes a BLOCK_N-aligned share of them.
         last_query = tl.minimum(num_queries, first_query + BLOCK_Q) - 1
         entry_end = tl.minimum(tl.load(positions_ptr + query_start + last_query) + 1, num_entries)
-        per_split = tl.cdiv(tl.cdiv(entry_end, splits), BLOCK_N) * BLOCK_N
+        if SEGMENT > 0:
+            splits = tl.cdiv(entry_end, SEGMENT)
+            if split >= splits:
+                return
+            per_split = SEGMENT
+        else:
+            per_split = tl.cdiv(tl.cdiv(entry_end, splits), BLOCK_N) * BLOCK_N
         lo = split * per_split
         hi = tl.minimum(entry_end, lo + per_split)
 
@@ -303,6 +392,26 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if FOLD_SEGMENTS:
+            # Each segment from fresh sums, folded into the row's running ones in order (_fold).
+            for segment in range(0, splits):
+                seg_lo = segment * SEGMENT
+                seg_hi = tl.minimum(entry_end, seg_lo + SEGMENT)
+                seg_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                seg_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+                seg_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                for start in range(seg_lo, seg_hi, BLOCK_N):
+                    seg_acc, seg_m, seg_l = _attend_block(
+                        seg_acc, seg_m, seg_l, q, position, start, seg_hi, seq_cells_ptr + entry_start, k_pool_ptr,
+                        v_pool_ptr, kv_head, dims, dim_ok, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, PRECISION,
+                        MASKED=True)
+                if HAS_KV_SCALES:  # per segment, as the partials the merge kernel folds
+                    seg_acc = seg_acc * tl.load(v_scale_ptr + kv_head)
+                m_i, alpha, beta = _fold(m_i, seg_m)
+                l_i = l_i * alpha + seg_l * beta
+                acc = acc * alpha[:, None] + seg_acc * beta[:, None]
+            splits = 1
+            lo = hi  # walked above
         # UNMASKED_BULK: blocks every row sees whole (below the block's first position, inside [lo, hi)) skip the
         # masks; only the diagonal's blocks and a last partial one pay for them.
         unmasked_end = lo
@@ -318,7 +427,7 @@ if triton is not None:
                 acc, m_i, l_i, q, position, start, hi, seq_cells_ptr + entry_start, k_pool_ptr, v_pool_ptr, kv_head,
                 dims, dim_ok, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, PRECISION, MASKED=True)
 
-        if HAS_KV_SCALES:
+        if HAS_KV_SCALES and not FOLD_SEGMENTS:
             acc = acc * tl.load(v_scale_ptr + kv_head)
         out_mask = row_ok[:, None] & dim_ok[None, :]
         if splits == 1:
@@ -338,6 +447,7 @@ if triton is not None:
         token_seq_ptr,  # [T]
         query_indptr_ptr,
         seq_indptr_ptr,
+        positions_ptr,  # [T] (deterministic artifacts)
         max_splits,
         NUM_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -345,13 +455,40 @@ if triton is not None:
         BLOCK_S: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         MIN_SPLIT: tl.constexpr,
+        SEGMENT: tl.constexpr,
     ):
         """One (token, head): combine its splits' partial results; tokens walked by one program are done."""
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         seq = tl.load(token_seq_ptr + token)
-        num_queries = tl.load(query_indptr_ptr + seq + 1) - tl.load(query_indptr_ptr + seq)
+        query_start = tl.load(query_indptr_ptr + seq)
+        num_queries = tl.load(query_indptr_ptr + seq + 1) - query_start
         num_entries = tl.load(seq_indptr_ptr + seq + 1) - tl.load(seq_indptr_ptr + seq)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        if SEGMENT > 0:
+            # The segments of the token's query block (the main kernel's count), folded in order.
+            first_query = (token - query_start) // BLOCK_Q * BLOCK_Q
+            last_query = tl.minimum(num_queries, first_query + BLOCK_Q) - 1
+            entry_end = tl.minimum(tl.load(positions_ptr + query_start + last_query) + 1, num_entries)
+            segments = tl.cdiv(entry_end, SEGMENT)
+            if segments == 1:
+                return
+            m = tl.full([1], float("-inf"), dtype=tl.float32)
+            l = tl.zeros([1], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for segment in range(0, segments):
+                slot = (token * NUM_HEADS + head) * max_splits + segment
+                seg_m = tl.load(partial_stats_ptr + slot * 2 + tl.zeros([1], dtype=tl.int64))
+                seg_l = tl.load(partial_stats_ptr + slot * 2 + 1 + tl.zeros([1], dtype=tl.int64))
+                seg_acc = tl.load(partial_out_ptr + slot * HEAD_DIM + dims, mask=dim_ok, other=0.0)
+                m, alpha, beta = _fold(m, seg_m)
+                l = l * alpha + seg_l * beta
+                acc = acc * alpha + seg_acc * beta
+            out = acc / l
+            tl.store(out_ptr + (token * NUM_HEADS + head) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty),
+                     mask=dim_ok)
+            return
         splits = _num_splits(num_queries, num_entries, max_splits, BLOCK_Q, MIN_SPLIT)
         if splits == 1:
             return
@@ -363,8 +500,6 @@ if triton is not None:
         m_max = tl.max(m, 0)  # finite: split 0 always holds entry 0, which every token sees
         weight = tl.where(split_ok, tl.math.exp2(m - m_max), 0.0)
         total = tl.sum(weight * l, 0)
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < HEAD_DIM
         partial = tl.load(partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :],
                           mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
         out = tl.sum(partial * weight[:, None], 0) / total
@@ -392,13 +527,14 @@ if triton is not None:
             # fp32 artifacts are compared token for token with fp32 references: no tf32 in their dots.
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_KV_SCALES=k_scale is not None,
             FP16_DOTS=k_scale is not None and q.dtype == torch.bfloat16,
-            UNMASKED_BULK=config.unmasked_bulk, num_warps=config.num_warps, num_stages=config.num_stages,
+            UNMASKED_BULK=config.unmasked_bulk, SEGMENT=config.segment,
+            FOLD_SEGMENTS=config.segment > 0 and splits == 1, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if splits > 1:
             torch.library.wrap_triton(_merge_splits_kernel)[(num_tokens, num_heads)](
-                out, partial_out, partial_stats, token_seq, query_indptr, seq_indptr, splits,
+                out, partial_out, partial_stats, token_seq, query_indptr, seq_indptr, positions, splits,
                 NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
-                BLOCK_Q=config.block_q, MIN_SPLIT=config.min_split, num_warps=4,
+                BLOCK_Q=config.block_q, MIN_SPLIT=config.min_split, SEGMENT=config.segment, num_warps=4,
             )
         return out
 
@@ -421,18 +557,24 @@ if triton is not None:
         num_warps: int,
         num_stages: int,
         unmasked_bulk: bool,
+        segment: int,
         k_scale: torch.Tensor | None = None,  # [KVH] fp32: an FP8 pool's scales (both or neither)
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         """Each token attends over its own sequence's cells at positions 0 .. its own position."""
-        config = LaunchConfig(block_q, block_m, block_n, max_splits, min_split, num_warps, num_stages, unmasked_bulk)
+        config = LaunchConfig(block_q, block_m, block_n, max_splits, min_split, num_warps, num_stages, unmasked_bulk,
+                              segment)
         return launch_cell_attention(
             q, k_pool, v_pool, positions, token_seq, query_indptr, seq_indptr, seq_cells, block_seq_end, config,
             k_scale, v_scale,
         )
 
 
-def call_site_config(num_tokens, num_seqs, num_heads: int, num_kv_heads: int) -> LaunchConfig:
+def call_site_config(num_tokens, num_seqs, num_heads: int, num_kv_heads: int,
+                     deterministic_context: int | None = None) -> LaunchConfig:
     """The config of a call site: a static method's width is an int when it is traced, forward_others' is
-    symbolic."""
-    return LaunchConfig.for_call(num_tokens if isinstance(num_tokens, int) else None, num_seqs, num_heads, num_kv_heads)
+    symbolic; a deterministic artifact's (deterministic_context: its max context) walks every row alike."""
+    static_width = num_tokens if isinstance(num_tokens, int) else None
+    if deterministic_context is not None:
+        return LaunchConfig.deterministic(static_width is not None, num_heads, num_kv_heads, deterministic_context)
+    return LaunchConfig.for_call(static_width, num_seqs, num_heads, num_kv_heads)

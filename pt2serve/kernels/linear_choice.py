@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
+from pt2serve.kernels import batch_invariant
 from pt2serve.kernels.linear_configs import DENSE_KINDS, LaunchConfig, QuantFormat, QuantLaunchConfig
 
 SMALL_M_MAX = 64
@@ -139,7 +140,10 @@ def _call(x: torch.Tensor, weight: torch.Tensor, swiglu: bool, config: LaunchCon
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the small-M kernel where the export chose it for this shape and width."""
+    """F.linear, through the small-M kernel where the export chose it for this shape and width (in a
+    deterministic method: the batch-invariant formulation, at every width)."""
+    if batch_invariant.is_tracing() and x.dim() == 2:
+        return batch_invariant.linear(x, weight, bias)
     config = dense_choice("linear", x, weight)
     if config is None:
         return _cublas_linear(x, weight, bias)
@@ -160,6 +164,9 @@ def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a stacked gate/up projection weight [2I, K]: one fused kernel where chosen."""
+    if batch_invariant.is_tracing() and x.dim() == 2:
+        gate, up = batch_invariant.linear(x, weight).chunk(2, dim=-1)
+        return F.silu(gate) * up
     config = dense_choice("swiglu", x, weight)
     if config is None:
         gate, up = F.linear(x, weight).chunk(2, dim=-1)

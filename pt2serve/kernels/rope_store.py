@@ -130,15 +130,19 @@ if triton is not None:
         num_kv_heads: int,
         k_scale: torch.Tensor | None = None,  # [KVH] fp32: an FP8 pool's scales (both or neither)
         v_scale: torch.Tensor | None = None,
+        deterministic: bool = False,  # one tile at every width (a deterministic artifact)
     ) -> torch.Tensor:  # q [T, H, D], rotated
         """Rope on q and k (after their norms), k and v written into each token's cell."""
         return launch_rope_and_store(qkv.contiguous(), cos.contiguous(), sin.contiguous(), write_cells, k_pool,
                                      v_pool, q_norm_weight, k_norm_weight, eps, num_heads, num_kv_heads,
-                                     tokens_per_program(qkv.shape[0]), k_scale, v_scale)
+                                     tokens_per_program(qkv.shape[0], deterministic), k_scale, v_scale)
 
 
-def tokens_per_program(num_tokens) -> int:
+def tokens_per_program(num_tokens, deterministic: bool = False) -> int:
     """A static width (an int when traced) has few tokens: one per program spreads them widest. A dynamic
-    one (forward_others, symbolic) may hold thousands: 16 per program keeps the programs few."""
+    one (forward_others, symbolic) may hold thousands: 16 per program keeps the programs few. A deterministic
+    artifact takes 16 everywhere: the tile (and its warps) decides the order of a head's norm sum."""
+    if deterministic:
+        return 16
     return 1 if isinstance(num_tokens, int) and num_tokens <= 64 else 16
 

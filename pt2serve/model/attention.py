@@ -16,6 +16,9 @@ Two implementations read this description (pt2serve/kernels/cell_attention.py):
   entry capacity bounds an index buffer, not compute (GPU artifacts);
 - MASKED, plain PyTorch: gathers every entry and masks, so its cost grows with the entry capacity
   (CPU artifacts, and the reference the kernel is tested against).
+Deterministic artifacts (`export --deterministic`, `deterministic_context` set to the max context) take each
+one's batch-invariant form: the kernel's launch config that walks a token's cells in the same segments and
+blocks at every call site, and, for MASKED, a window of the token's own positions.
 Whatever the step needs beyond the per-layer tensors is derived once per step, here, not in every layer.
 """
 
@@ -46,17 +49,20 @@ class StepAttention:
         token_seq: torch.Tensor,  # [T]
         seq_indptr: torch.Tensor,  # [R+1]
         seq_cells: torch.Tensor,  # [E]
+        deterministic_context: int | None = None,  # the max context of a deterministic artifact, else None
     ) -> None:
         self.impl = impl
         self.positions, self.token_seq, self.seq_indptr, self.seq_cells = positions, token_seq, seq_indptr, seq_cells
+        self.deterministic_context = deterministic_context
         if impl is AttentionImpl.KERNEL:
             num_seqs = seq_indptr.shape[0] - 1
             self.query_indptr = ops.query_indptr(token_seq, num_seqs)
-            self.config = ops.call_site_config(positions.shape[0], num_seqs, num_heads, num_kv_heads)
+            self.config = ops.call_site_config(positions.shape[0], num_seqs, num_heads, num_kv_heads,
+                                               deterministic_context)
             self.block_seq_end = ops.block_sequence_ends(
                 self.query_indptr, self.config.num_blocks(positions.shape[0], num_seqs), self.config.block_q
             )
-        else:
+        elif deterministic_context is None:
             self.mask = ops.visibility_mask(positions, token_seq, seq_indptr, seq_cells.shape[0])
 
     def __call__(
@@ -69,4 +75,7 @@ class StepAttention:
                 q, k_pool, v_pool, self.positions, self.token_seq, self.query_indptr, self.seq_indptr,
                 self.seq_cells, self.block_seq_end, *dataclasses.astuple(self.config), k_scale, v_scale,
             )
+        if self.deterministic_context is not None:
+            return ops.window_cell_attention(q, k_pool, v_pool, self.positions, self.token_seq, self.seq_indptr,
+                                             self.seq_cells, self.deterministic_context, k_scale, v_scale)
         return ops.masked_cell_attention(q, k_pool, v_pool, self.seq_cells, self.mask, k_scale, v_scale)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pt2serve.kernels import rope_store  # noqa: F401  (registers torch.ops.pt2serve.rope_and_store)
+from pt2serve.kernels import batch_invariant, rope_store  # noqa: F401  (rope_store registers rope_and_store)
 from pt2serve.kernels.linear_choice import linear, swiglu_linear
 from pt2serve.model.attention import AttentionImpl, StepAttention
 from pt2serve.model.config import ModelConfig, RopeScaling
@@ -41,6 +41,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if batch_invariant.is_tracing():
+            out = batch_invariant.rms_norm(x, self.weight, self.eps)
+            if out is not None:
+                return out
         # Normalise in fp32 and cast back before the scale, as the reference implementations do.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -163,7 +167,7 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
                 self.q_norm.eps if self.q_norm is not None else 0.0, self.num_heads, self.num_kv_heads,
-                self.k_scale, self.v_scale,
+                self.k_scale, self.v_scale, attend.deterministic_context is not None,
             )
         else:
             q = self._rope_and_store(qkv, cos, sin, write_cells, k_pool, v_pool)
@@ -250,6 +254,9 @@ class Transformer(nn.Module):
         self.rope_attention_factor = rope_attention_factor(cfg.rope_scaling)
         # Layers whose outputs a draft model reads (model/dflash.py); when set, forward also returns them.
         self.tap_layers: tuple[int, ...] = ()
+        # Set by a deterministic export (--deterministic) to the max context: attention then takes its
+        # batch-invariant form (model/attention.py).
+        self.deterministic_context: int | None = None
 
     def forward(
         self,
@@ -265,7 +272,8 @@ class Transformer(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [S, vocab] fp32 (, [T, taps * hidden])
         cfg = self.config
         attend = StepAttention(
-            self.attention, cfg.num_heads, cfg.num_kv_heads, positions, token_seq, seq_indptr, seq_cells
+            self.attention, cfg.num_heads, cfg.num_kv_heads, positions, token_seq, seq_indptr, seq_cells,
+            self.deterministic_context,
         )
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor)
         x = self.embed_tokens(tokens)

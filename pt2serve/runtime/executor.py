@@ -86,6 +86,10 @@ class ExecutorConfig:
     # Run the artifact's DFlash draft (--speculate dflash): allocate its cell pool and write its context with
     # every forward. The artifact must hold one (export --draft).
     draft: bool = False
+    # Refuse an artifact not exported with --deterministic. The flag asks, it changes nothing at run time: a
+    # deterministic artifact's methods compute every row the same way with or without it, and nothing the
+    # runtime chooses (width, company, chunking, prefix reuse) enters a row's arithmetic.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.num_cells is not None and self.num_cells < 2:
@@ -252,6 +256,11 @@ class Executor:
     def __init__(self, artifact: Artifact, config: ExecutorConfig = ExecutorConfig()) -> None:
         self.artifact = artifact
         meta = artifact.metadata
+        if config.deterministic and not meta.deterministic:
+            raise Pt2ServeError(
+                f"{artifact.path} was not exported with --deterministic, so a row's logits may change with what "
+                "shares its step; re-export it with `pt2serve export --deterministic ...`, or run without "
+                "--deterministic")
         self.device = artifact.device
         self.uses_cuda_graphs = config.use_cuda_graphs and self.device.type == "cuda"
         use_static = self.uses_cuda_graphs if config.use_static_methods is None else config.use_static_methods

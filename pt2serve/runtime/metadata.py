@@ -81,6 +81,12 @@ class Metadata:
         return tuple(self.raw["methods"])
 
     @property
+    def deterministic(self) -> bool:
+        """Whether the methods were exported with --deterministic: a row's logits do not depend on what else
+        shares its step, on the method or on how its prompt was cut (artifacts from before the flag: no)."""
+        return self.raw.get("deterministic", False)
+
+    @property
     def is_fp8(self) -> bool:
         """Whether the linear layers hold e4m3 weights (the quantization record's format)."""
         return is_fp8(self.raw)
@@ -132,6 +138,8 @@ def _malformed_field(raw: dict[str, Any]) -> str | None:
     if (not isinstance(cache, dict) or cache.get("dtype") not in _KV_DTYPES
             or not all(_is_positive_int(cache.get(key)) for key in ("num_layers", "num_kv_heads", "head_dim"))):
         return f"cache is {cache!r}, not {{num_layers, num_kv_heads, head_dim, dtype ({', '.join(_KV_DTYPES)})}}"
+    if not isinstance(raw.get("deterministic", False), bool):
+        return f"deterministic is {raw['deterministic']!r}, not true or false"
     if raw["backend"] not in ("cpu", "cuda"):
         return f"backend is {raw['backend']!r}, not cpu or cuda"
     methods = raw["methods"]

@@ -17,6 +17,7 @@ import typer
 from pt2serve.cli_errors import fail
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime_flags import (
+    deterministic_option,
     kv_memory_fraction_option,
     kv_pool,
     max_decode_sequences_option,
@@ -89,6 +90,7 @@ def serve_artifact_command(
     speculate: Optional[str] = speculate_option(),
     num_draft_tokens: Optional[int] = num_draft_tokens_option(),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="No CUDA graphs (then every step runs forward_others)."),
+    deterministic: bool = deterministic_option(),
     api_key: Optional[str] = typer.Option(None, envvar="PT2SERVE_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     model_name: Optional[str] = typer.Option(None, help="The model id clients send (default: the file's stem)."),
@@ -137,7 +139,8 @@ def serve_artifact_command(
                               body_timeout_s=body_timeout,
                               drain_timeout_s=drain_timeout,
                               default_max_tokens=default_max_tokens)
-        executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs)
+        executor_config = ExecutorConfig(**kv_pool(num_cells, kv_memory_fraction), use_cuda_graphs=not no_cuda_graphs,
+                                         deterministic=deterministic)
         runner_config = RunnerConfig(**step_budget(token_budget, max_decode_sequences, min_prefill_chunk),
                                      **prefix_reuse(prefix_cache_enabled, session_pin_seconds),
                                      **speculation(speculate, num_draft_tokens), max_sessions=max_sessions)
