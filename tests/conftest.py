@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib
 import os
 import random
 import shutil
@@ -78,6 +79,15 @@ def export_options_for_tests(preset: str, output: Path) -> ExportOptions:
 
 def recall_export_options(output: Path) -> ExportOptions:
     return dataclasses.replace(export_options_for_tests("toy-recall", output), forward_sizes=RECALL_FORWARD_SIZES)
+
+
+def triton_kernels(module: str):
+    """The Triton kernel module `module` (imported by name): compiled on a GPU, run in Triton's interpreter on
+    the CPU (this file sets TRITON_INTERPRET=1 there); the test is skipped where neither can run."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU, and Triton was not put in interpreter mode (tests/conftest.py does that)")
+    return importlib.import_module(module)
 
 
 def stop_at_token(deltas: list[str], first: int = 5) -> tuple[int, str, str]:

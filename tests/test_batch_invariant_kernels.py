@@ -7,7 +7,6 @@ run there (bf16 too, marked cuda). The CPU formulation of the linear layers is c
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -16,17 +15,14 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from pt2serve.kernels import cell_attention as ops  # noqa: E402
+from conftest import triton_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU, and Triton was not put in interpreter mode (tests/conftest.py does that)")
-    from pt2serve.kernels import batch_invariant_triton
-
-    return batch_invariant_triton
+    return triton_kernels("pt2serve.kernels.batch_invariant_triton")
 
 
 def rows_with_company(row: torch.Tensor, num_rows: int, place: int, seed: int) -> torch.Tensor:
@@ -120,8 +116,7 @@ def test_attention_row_is_the_same_at_every_call_site_decode_or_prefill():
     config (one program per segment, merged) and forward_others' (one program folds them), and as the last
     token of prefill chunks of 21 and 101 tokens: the same bits, and the reference's values; with the default
     configs a decode and a chunk's row differ."""
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU, and Triton was not put in interpreter mode")
+    triton_kernels("pt2serve.kernels.cell_attention")
     generator = torch.Generator().manual_seed(4)
     pool = (torch.randn(NUM_CELLS, KV_HEADS, HEAD_DIM, generator=generator),
             torch.randn(NUM_CELLS, KV_HEADS, HEAD_DIM, generator=generator))
@@ -162,9 +157,7 @@ def test_attention_row_is_the_same_at_every_call_site_decode_or_prefill():
 
 def test_rope_and_store_rows_do_not_depend_on_the_others():
     """With qk norms (Qwen3's), a token's rotated q and its K/V cells alone and as row 17 of 20 tokens."""
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU, and Triton was not put in interpreter mode")
-    from pt2serve.kernels import rope_store  # noqa: F401  (registers the operator)
+    triton_kernels("pt2serve.kernels.rope_store")  # registers the operator
 
     heads, kv_heads, head_dim = 4, 2, 64
     generator = torch.Generator().manual_seed(5)

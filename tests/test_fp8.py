@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import generates_the_designed_tokens, packed_random_step
+from conftest import generates_the_designed_tokens, packed_random_step, triton_kernels
 from pt2serve.bench.quality import QualityOptions, run_quality
 from pt2serve.contract import FORWARD_OTHERS, forward_name
 from pt2serve.errors import Pt2ServeError
@@ -105,12 +105,7 @@ def test_fp8_swiglu_is_silu_gate_times_up():
 
 @pytest.fixture(scope="module")
 def kernels():
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU, and Triton was not put in interpreter mode (tests/conftest.py does that)")
-    from pt2serve.kernels import small_m_linear
-
-    return small_m_linear
+    return triton_kernels("pt2serve.kernels.small_m_linear")
 
 
 @pytest.mark.parametrize("swiglu", [False, True])

@@ -9,7 +9,6 @@ columns inside one group, and groups narrower than a run).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import subprocess
 import sys
@@ -24,15 +23,14 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from fresh_process import run_without_interpreter  # noqa: E402
 from pt2serve.kernels.quant_format import dequantize, pack, reference_quant_linear  # noqa: E402
+from conftest import triton_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU, and Triton was not put in interpreter mode (tests/conftest.py does that)")
-    return importlib.import_module("pt2serve.kernels.quant_linear_triton")
+    return triton_kernels("pt2serve.kernels.quant_linear_triton")
 
 
 def random_format(bits: int, n: int, k: int, group_size: int, has_zeros: bool, has_perm: bool, seed: int):

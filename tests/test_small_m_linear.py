@@ -7,8 +7,6 @@ tested with given timings.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +15,7 @@ pytest.importorskip("triton")
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
+from conftest import triton_kernels  # noqa: E402
 from fresh_process import run_without_interpreter  # noqa: E402
 from pt2serve.export.linear_tuning import (  # noqa: E402
     MARGIN,
@@ -45,11 +44,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="module")
 def kernels():
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU, and Triton was not put in interpreter mode (tests/conftest.py does that)")
-    from pt2serve.kernels import small_m_linear
-
-    return small_m_linear
+    return triton_kernels("pt2serve.kernels.small_m_linear")
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> torch.Tensor:
