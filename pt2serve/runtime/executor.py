@@ -205,11 +205,16 @@ class _DeviceDrafts:
     ids: torch.Tensor
     rows: dict[int, int]  # chunk index -> row of ids
 
-    def sources(self, chunks_and_counts) -> np.ndarray:
-        """Flat indices into ids of each (chunk index, number of drafts)'s drafts, in order."""
+    def copy_into(self, target: torch.Tensor, places: list[int], chunks_and_counts: list[tuple[int, int]],
+                  to_device: Callable[[np.ndarray], torch.Tensor]) -> None:
+        """Write each (chunk index, number of drafts)'s drafts, in order, at places of the flat target.
+
+        One host-to-device copy carries both index lists: the places, then the drafts' flat indices into ids.
+        """
         width = self.ids.shape[1]
-        return np.array([self.rows[c] * width + j for c, count in chunks_and_counts for j in range(count)],
-                        dtype=np.int64)
+        sources = [self.rows[c] * width + j for c, count in chunks_and_counts for j in range(count)]
+        index = to_device(np.array(places + sources, dtype=np.int64))
+        target.index_copy_(0, index[:len(places)], self.ids.reshape(-1).index_select(0, index[len(places):]))
 
 
 class DeferredSampling:
@@ -470,9 +475,7 @@ class Executor:
                      if chunk.drafts_on_device]
         if on_device:  # the device drafter's drafts, in place of their placeholders
             places = [s * inputs.width + j for s, _, count in on_device for j in range(count)]
-            index = self._to_device(np.concatenate([np.array(places, dtype=np.int64),
-                                                    drafted.sources([(c, n) for _, c, n in on_device])]))
-            drafts.index_copy_(0, index[:len(places)], drafted.ids.reshape(-1).index_select(0, index[len(places):]))
+            drafted.copy_into(drafts, places, [(c, n) for _, c, n in on_device], self._to_device)
         row_index, drafts = row_index.view(shape), drafts.view(shape)
         logits = logits.contiguous()  # see _sample: compiled methods assume contiguous rows
         if inputs.is_greedy:
@@ -521,9 +524,8 @@ class Executor:
         """Copy the device drafter's drafts into this call's token rows that hold their placeholders."""
         if not call.device_drafts:
             return
-        rows = np.array([first + j for first, count, _ in call.device_drafts for j in range(count)], dtype=np.int64)
-        index = self._to_device(np.concatenate([rows, drafted.sources([(c, n) for _, n, c in call.device_drafts])]))
-        tokens.index_copy_(0, index[:len(rows)], drafted.ids.reshape(-1).index_select(0, index[len(rows):]))
+        rows = [first + j for first, count, _ in call.device_drafts for j in range(count)]
+        drafted.copy_into(tokens, rows, [(c, n) for _, n, c in call.device_drafts], self._to_device)
 
     def _run_forward(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run a forward method; with a draft, also write the draft context of the step's tokens from its taps."""
