@@ -163,7 +163,8 @@ def test_kernel_reads_fp8_cells_with_their_scales(mix, q_dtype):
     num_seqs = step.seq_indptr.shape[0] - 1
     query_indptr = ops.query_indptr(step.token_seq, num_seqs)
     for num_tokens in (step.q.shape[0], None):
-        config = launch_config(num_tokens, num_seqs, num_heads, num_kv_heads)
+        config = launch_config(num_tokens, num_seqs, num_heads, num_kv_heads, fp8_cells=True)
+        assert config.block_n == (128 if num_tokens is not None else 64)  # FP8 pools' decode blocks
         block_seq_end = ops.block_sequence_ends(query_indptr, config.num_blocks(step.q.shape[0], num_seqs),
                                                 config.block_q)
         got = ops.launch_cell_attention(step.q, step.k_pool, step.v_pool, step.positions, step.token_seq,
@@ -182,10 +183,11 @@ def test_kernel_reads_fp8_cells_with_their_scales(mix, q_dtype):
             assert got.dtype == torch.bfloat16 and relative_error(got, want) < 5e-3
 
 
-def launch_config(num_tokens, num_seqs: int, num_heads: int, num_kv_heads: int) -> ops.LaunchConfig:
+def launch_config(num_tokens, num_seqs: int, num_heads: int, num_kv_heads: int,
+                  fp8_cells: bool = False) -> ops.LaunchConfig:
     """The operator's config for a static width or (num_tokens None) a dynamic one, with at most 4 splits
     so the interpreter's run stays short (the split count is data to the kernels)."""
-    config = ops.LaunchConfig.for_call(num_tokens, num_seqs, num_heads, num_kv_heads)
+    config = ops.LaunchConfig.for_call(num_tokens, num_seqs, num_heads, num_kv_heads, fp8_cells)
     return dataclasses.replace(config, max_splits=min(config.max_splits, 4))
 
 

@@ -50,6 +50,7 @@ class StepAttention:
         seq_indptr: torch.Tensor,  # [R+1]
         seq_cells: torch.Tensor,  # [E]
         deterministic_context: int | None = None,  # the max context of a deterministic artifact, else None
+        fp8_cells: bool = False,  # the pools hold e4m3 cells (their kernel config differs)
     ) -> None:
         self.impl = impl
         self.positions, self.token_seq, self.seq_indptr, self.seq_cells = positions, token_seq, seq_indptr, seq_cells
@@ -58,7 +59,7 @@ class StepAttention:
             num_seqs = seq_indptr.shape[0] - 1
             self.query_indptr = ops.query_indptr(token_seq, num_seqs)
             self.config = ops.call_site_config(positions.shape[0], num_seqs, num_heads, num_kv_heads,
-                                               deterministic_context)
+                                               deterministic_context, fp8_cells)
             self.block_seq_end = ops.block_sequence_ends(
                 self.query_indptr, self.config.num_blocks(positions.shape[0], num_seqs), self.config.block_q
             )

@@ -20,7 +20,7 @@ from pt2serve.kernels import batch_invariant, rope_store  # noqa: F401  (rope_st
 from pt2serve.kernels.linear_choice import linear, swiglu_linear
 from pt2serve.model.attention import AttentionImpl, StepAttention
 from pt2serve.model.config import ModelConfig, RopeScaling
-from pt2serve.model.kv_fp8 import quantize_kv
+from pt2serve.model.kv_fp8 import KV_FP8_DTYPE, quantize_kv
 
 
 class Linear(nn.Linear):
@@ -273,7 +273,7 @@ class Transformer(nn.Module):
         cfg = self.config
         attend = StepAttention(
             self.attention, cfg.num_heads, cfg.num_kv_heads, positions, token_seq, seq_indptr, seq_cells,
-            self.deterministic_context,
+            self.deterministic_context, fp8_cells=k_pools[0].dtype == KV_FP8_DTYPE,
         )
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor)
         x = self.embed_tokens(tokens)
