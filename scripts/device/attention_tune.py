@@ -51,9 +51,9 @@ def random_step(seed: int, chunks, num_cells: int, dtype):
     return q, k, v, torch.cat(positions).to(DEVICE), token_seq, query_indptr, seq_indptr, torch.cat(seq_cells).to(DEVICE)
 
 
-def config_for(step, static: bool) -> ops.LaunchConfig:
+def config_for(step, static: bool, fp8: bool) -> ops.LaunchConfig:
     q, _, _, _, _, _, seq_indptr, _ = step
-    return ops.LaunchConfig.for_call(q.shape[0] if static else None, seq_indptr.shape[0] - 1, HEADS, KV_HEADS)
+    return ops.LaunchConfig.for_call(q.shape[0] if static else None, seq_indptr.shape[0] - 1, HEADS, KV_HEADS, fp8)
 
 
 def runner(step, config: ops.LaunchConfig, scales=(None, None)):
@@ -101,8 +101,8 @@ def speed(bandwidth: float, quick: bool) -> None:
     for name, (chunks, static) in SPEED.items():
         num_cells = sum(b + c for b, c in chunks) + 16
         step = random_step(3, chunks, num_cells, torch.bfloat16)
-        config = config_for(step, static)
         fp8 = name.endswith("fp8 cells")
+        config = config_for(step, static, fp8)
         step, scales = with_fp8_cells(step) if fp8 else (step, (None, None))
         kernel_ms = graph_ms(runner(step, config, scales))
         kv_bytes = sum(b + c for b, c in chunks) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2)
@@ -197,8 +197,8 @@ def main() -> None:
         for case, chunks in cases.items():
             num_cells = sum(b + c for b, c in chunks) + 16
             step = random_step(5, chunks, num_cells, torch.bfloat16)
-            base = config_for(step, static)
             fp8 = case.endswith("fp8 cells")
+            base = config_for(step, static, fp8)
             step, scales = with_fp8_cells(step) if fp8 else (step, (None, None))
             kv_bytes = sum(b + c for b, c in chunks) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2)
             for name, change in variants.items():
