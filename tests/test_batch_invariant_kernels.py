@@ -29,7 +29,7 @@ def interpreted_dots_keep_rows() -> bool:
     """Whether this CPU's numpy gives a row of a [64, 64] @ [64, 64] product the same bits at every place in
     the tile. Triton's interpreter runs tl.dot through numpy's BLAS, and OpenBLAS picks its micro-kernels by
     CPU: on some, a tile's edge rows are summed in another order, so the interpreter cannot show bit-for-bit
-    row independence there (a GPU's dot sums every row alike: the cuda runs of these tests show it)."""
+    row independence there (on a GPU these tests run compiled, where the probe does not apply)."""
     import numpy as np
 
     if DEVICE == "cuda":
