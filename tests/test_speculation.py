@@ -21,8 +21,9 @@ from pt2serve.runtime.engine import describe_load, open_runner
 from pt2serve.runtime.executor import ExecutorConfig
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec
 from pt2serve.runtime.runner import RunnerConfig
-from pt2serve.runtime.sampling import RequestRandom, SamplingParams
+from pt2serve.runtime.sampling import DrawPurpose, RequestRandom, SamplingParams
 from pt2serve.runtime.scheduler import MAX_DRAFT_PAUSE, PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig
+from pt2serve.runtime.step import Chunk
 
 CELLS = ExecutorConfig(num_cells=4097)
 VOCAB = 258
@@ -155,9 +156,12 @@ def test_ngram_drafts_on_toy_greedy_are_accepted_whole(toy_artifact):
         runner.close()
 
 
-def test_a_speculating_request_is_launched_again_before_its_verify_comes_back(toy_artifact):
-    """One step in flight with speculation: each verifying step of a greedy request (but its first and the
-    last ones, whose drafts might end it) is launched while the one before it is still unread on the device."""
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_a_speculating_request_is_launched_again_before_its_verify_comes_back(toy_artifact, sampling):
+    """One step in flight with speculation: after each verifying step of a request, greedy or sampled (but the
+    last ones, whose drafts might end it), its next step is launched while that verify is still unread on the
+    device."""
     from pt2serve.runtime.artifact import load_artifact
     from pt2serve.runtime.executor import Executor
     from pt2serve.runtime.runner import Runner
@@ -166,9 +170,11 @@ def test_a_speculating_request_is_launched_again_before_its_verify_comes_back(to
     runner = Runner(executor, config=RunnerConfig(token_budget=64, speculate=Speculation.NGRAM, num_draft_tokens=7))
     try:
         prompt = [5] + toy_greedy_continuation([5], 69)
-        result = runner.generate(prompt, max_new_tokens=81)
-        assert result.token_ids == toy_greedy_continuation(prompt, 81)
-        assert result.stats.accepted_tokens == result.stats.draft_tokens
+        result = runner.generate(prompt, max_new_tokens=81, sampling=sampling)
+        if sampling.is_greedy:
+            assert result.token_ids == toy_greedy_continuation(prompt, 81)
+            assert result.stats.accepted_tokens == result.stats.draft_tokens
+        assert result.stats.verify_steps >= 8
         assert_only_the_cache_holds_cells(runner)
     finally:
         runner.close()
@@ -177,10 +183,71 @@ def test_a_speculating_request_is_launched_again_before_its_verify_comes_back(to
         if kind == "result":
             unread.discard(index)
             continue
-        verifies = any(c.drafts for c in executor.chunks[index])
-        behind += verifies and any(any(c.drafts for c in executor.chunks[i]) for i in unread)
+        behind += any(any(c.drafts for c in executor.chunks[i]) for i in unread)  # (one request: its next step)
         unread.add(index)
     assert behind >= result.stats.verify_steps - 2
+
+
+def _verify_then_follow(executor, prompt: list[int], drafts: tuple[int, ...], follower_drafts: tuple[int, ...],
+                        seed: int, planned: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Prefill `prompt` (sampled), verify `drafts` after its token, then one more chunk with `follower_drafts`,
+    `planned` "after" the verify's result at its real position, or "behind" the verify in flight as if all its
+    drafts were accepted, with windows of draws (or "unshifted", with the draws of that plan's positions alone).
+    What the verify and the follower emit."""
+    sampling = SamplingParams(temperature=1.0)
+    cells = np.arange(1, 64)
+    start = len(prompt)
+    draw = RequestRandom(seed).uniform
+
+    def verifying(tokens, start, drafts, window, previous):
+        positions = range(start + 1 - window, start + 2 + len(drafts))
+        return Chunk(cells[:start + 1 + len(drafts)], tokens, start, sampling, previous_sample=previous,
+                     drafts=drafts, accept_uniforms=tuple(draw(p, DrawPurpose.ACCEPT) for p in positions[:-1]),
+                     sample_uniforms=tuple(draw(p) for p in positions), draw_window=window)
+
+    def follower(first, start, window=0, previous=None):
+        if follower_drafts:
+            return verifying((first,) + follower_drafts, start, follower_drafts, window, previous)
+        draws = tuple(draw(p) for p in range(start + 1 - window, start + 2))
+        return Chunk(cells[:start + 1], (first,), start, sampling, draws[-1], previous,
+                     sample_uniforms=draws if window else (), draw_window=window)
+
+    (token,) = executor.step([Chunk(cells[:start], tuple(prompt), 0, sampling, draw(start))]).tokens
+    verify = executor.launch([verifying((token,) + drafts, start, drafts, 0, None)])
+    if planned == "after":
+        (emitted,) = verify.result().verified
+        after = executor.launch([follower(emitted[-1], start + len(emitted))])
+    else:  # before the verify's result is read: after all its drafts (the executor moves it back)
+        window = len(drafts) if planned == "behind" else 0
+        after = executor.launch([follower(PLACEHOLDER_TOKEN, start + 1 + len(drafts), window, 0)])
+        (emitted,) = verify.result().verified
+    result = after.result()
+    return emitted, result.verified[0] if follower_drafts else result.tokens
+
+
+@pytest.mark.parametrize("follower_drafts", [(), (7, 9)], ids=["sampled", "verifying"])
+def test_a_sampled_chunk_behind_a_verify_draws_at_the_position_the_verify_leaves_it(tiny_artifact,
+                                                                                   follower_drafts):
+    """Planned behind a verify in flight for all its drafts accepted, a sampled request's next chunk emits what
+    it emits when planned after the verify's result, at its real position: the executor takes its draws from
+    their windows where the verify left it, on the device. With the all-accepted plan's draws instead, some of
+    those tokens differ (so the comparison sees the shift)."""
+    from pt2serve.runtime.artifact import load_artifact
+    from pt2serve.runtime.executor import Executor
+
+    executor = Executor(load_artifact(tiny_artifact), ExecutorConfig(num_cells=64))
+    rng = random.Random(0)
+    rejected = differs = 0
+    for seed in range(8):
+        prompt = [rng.randrange(VOCAB) for _ in range(6)]
+        drafts = tuple(rng.randrange(VOCAB) for _ in range(3))
+        runs = {planned: _verify_then_follow(executor, prompt, drafts, follower_drafts, seed, planned)
+                for planned in ("after", "behind", "unshifted")}
+        assert runs["behind"] == runs["after"]
+        emitted, after = runs["after"]
+        rejected += len(emitted) <= len(drafts)
+        differs += runs["unshifted"][1] != after
+    assert rejected >= 4 and differs >= 1
 
 
 def test_seeded_sampling_repeats_alone_and_in_a_batch(tiny_artifact):
@@ -336,6 +403,30 @@ def test_a_verify_in_flight_is_followed_by_the_next_chunk_planned_for_all_its_dr
     events = scheduler.commit(last, (None,), ((50, 51, 54),))
     assert events[-1].finish_reason is FinishReason.LENGTH and request.stats.completion_tokens == 10
     assert allocator.num_used == scheduler.prefix_cache.num_cells
+
+
+def test_a_sampled_request_behind_its_verify_in_flight_carries_windows_of_draws():
+    """A sampled request is planned behind its verify in flight too (after all its drafts), with draws from as many
+    positions before as that verify has drafts: the executor picks them where the verify leaves it."""
+    allocator = CellAllocator(256)
+    scheduler = Scheduler(SchedulerConfig(token_budget=16, max_decode_sequences=16, max_context=128),
+                          allocator, ScriptedDrafter([50, 51, 52, 53]))
+    sampling = SamplingParams(temperature=0.8, seed=5)
+    request = Request(1, RequestSpec((1, 2, 3), 20, sampling=sampling, num_draft_tokens=4), [1, 2, 3],
+                      RequestRandom(5))
+    scheduler.add(request)
+    scheduler.commit(scheduler.plan(), (40,))
+    first = scheduler.plan()
+    assert first.chunks[0].drafts and first.chunks[0].draw_window == 0
+    second = scheduler.plan()  # the first in flight
+    (chunk,) = second.chunks
+    assert chunk.previous_sample == 0 and chunk.start == 8 and chunk.draw_window == 4
+    (verifying,) = scheduler.executor_chunks(second)
+    positions = range(9 - 4, 9 + len(chunk.drafts) + 1)  # row j decides start + 1 + j, from 4 positions before
+    draws = RequestRandom(5)
+    assert verifying.draw_window == 4
+    assert verifying.accept_uniforms == tuple(draws.uniform(p, DrawPurpose.ACCEPT) for p in positions[:-1])
+    assert verifying.sample_uniforms == tuple(draws.uniform(p) for p in positions)
 
 
 def test_scheduler_finishes_at_the_first_stop_token_of_a_step():

@@ -17,7 +17,8 @@ A verifying chunk (Chunk.drafts) is judged by the artifact's acceptance method a
 back as the tokens its sequence emits (verify.py); the caller commits only those. A decode that follows it
 in the next step, planned before that is known and as if every draft were accepted, is completed here on
 the device: its first token is the last one emitted, its positions and write cells move back by the drafts
-rejected. Drafts of a device drafter (DFlash) are drafted at launch (behind a verify: from its last token and
+rejected; a sampled one takes its draws from its windows at the positions it moved to (Chunk.draw_window).
+Drafts of a device drafter (DFlash) are drafted at launch (behind a verify: from its last token and
 a context as much shorter, on the device) and copied into the step's token rows and the acceptance inputs
 on the device; the host never reads them.
 """
@@ -196,6 +197,7 @@ class _Forwarded:
     scored: list[_ScoredPrompt]
     started: torch.cuda.Event | None
     drafted: "_DeviceDrafts | None" = None
+    shifted: "_DrawShift | None" = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,28 @@ class _DeviceDrafts:
         sources = [self.rows[c] * width + j for c, count in chunks_and_counts for j in range(count)]
         index = to_device(np.array(places + sources, dtype=np.int64))
         target.index_copy_(0, index[:len(places)], self.ids.reshape(-1).index_select(0, index[len(places):]))
+
+
+@dataclass(frozen=True)
+class _DrawShift:
+    """A step's chunks behind a verify with draw windows (Chunk.draw_window): on the device, the positions each
+    falls short of that verify's drafts all accepted (0, or < 0), so that its draws come from its window there."""
+
+    shortfall: torch.Tensor
+    rows: dict[int, int]  # chunk index -> row of shortfall
+
+    def draws(self, windows: list[tuple[float, ...]], width: int, chunks_and_windows: list[tuple[int, int]],
+              to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
+        """[len(windows), width]: row i is windows[i] from column draw_window + shortfall on, for each (chunk index,
+        draw_window) of chunks_and_windows. One copy carries the rows and columns, one the windows."""
+        num = len(windows)
+        padded = np.zeros((num, max(map(len, windows)) + width), dtype=np.float32)
+        for row, window in enumerate(windows):
+            padded[row, :len(window)] = window
+        columns = np.array([window for _, window in chunks_and_windows], dtype=np.int64)[:, None] + np.arange(width)
+        index = to_device(np.concatenate([[self.rows[c] for c, _ in chunks_and_windows], columns.reshape(-1)]))
+        columns = index[num:].view(num, width) + self.shortfall.index_select(0, index[:num])[:, None]
+        return to_device(padded).gather(1, columns)
 
 
 class DeferredSampling:
@@ -393,6 +417,7 @@ class Executor:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
         drafted = self._draft(chunks, drafter)
+        shifted = self._draw_shift(chunks)
         to_sample, to_verify, calls, scored = [], [], [], []
         for piece, call in self.method_calls(chunks):
             logits = self._forward(call, drafted)
@@ -409,7 +434,7 @@ class Executor:
             if call.prompt_rows:
                 scored.append(self._score_prompt(logits[num_sampled:], call, by_index))
             calls.append(CallRecord(call.method, call.num_tokens))
-        step = _Forwarded(chunks, tuple(calls), to_sample, to_verify, scored, started, drafted)
+        step = _Forwarded(chunks, tuple(calls), to_sample, to_verify, scored, started, drafted, shifted)
         if any(chunk.grammar for _, _, rows in to_sample for chunk in rows):
             return DeferredSampling(self, step)
         return self._sample_step(step, None)
@@ -419,7 +444,7 @@ class Executor:
         outputs, sampled, scored = [], [], list(step.scored)
         for logits, indices, rows in step.to_sample:
             mask, bitmask = (bitmask[: len(rows)], bitmask[len(rows):]) if bitmask is not None else (None, None)
-            ids = self._sample(logits, rows, mask)
+            ids = self._sample(logits, rows, mask, indices, step.shifted)
             outputs.append(ids)
             sampled.extend(indices)
             scored += self._score_sampled(logits, ids, indices, rows)
@@ -429,7 +454,7 @@ class Executor:
         self._previous_rows = {chunk: row for row, chunk in enumerate(sampled)}
         verified, emitted = [], []
         for logits, indices, rows in step.to_verify:
-            num_accepted, accepted_ids, num_drafts = self._verify(logits, indices, rows, step.drafted)
+            num_accepted, accepted_ids, num_drafts = self._verify(logits, indices, rows, step.drafted, step.shifted)
             verified.append((indices, num_accepted, accepted_ids))
             # Per verifying chunk, for a chunk that follows it in the next step: the last token it emits and
             # how many positions it falls short of all its drafts accepted (<= 0).
@@ -462,8 +487,18 @@ class Executor:
         ids = drafter.draft_on_device(requests, last, shortfall)
         return _DeviceDrafts(ids, {index: row for row, index in enumerate(indices)})
 
+    def _draw_shift(self, chunks: list[Chunk]) -> _DrawShift | None:
+        """Where the draws of the chunks with draw windows start in them, on the device (before any sampling: it
+        reads the previous step's acceptance)."""
+        windowed = [index for index, chunk in enumerate(chunks) if chunk.draw_window]
+        if not windowed:
+            return None
+        _, shortfall = self._followed([chunks[i].previous_sample for i in windowed])
+        return _DrawShift(shortfall, {index: row for row, index in enumerate(windowed)})
+
     def _verify(self, logits: torch.Tensor, indices: tuple[int, ...], chunks: list[Chunk],
-                drafted: _DeviceDrafts | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                drafted: _DeviceDrafts | None,
+                shifted: _DrawShift | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Judge the verifying chunks' drafts on the device: (num_accepted [S], ids [S, K1], num_drafts [S])."""
         if not self.can_verify:
             raise Pt2ServeError("this artifact has no acceptance methods (exported before speculation): "
@@ -482,9 +517,17 @@ class Executor:
             return (*self.artifact.run(ACCEPT_DRAFTS, [logits, row_index, drafts, num_drafts]), num_drafts)
         temperature, top_p, accept_uniform, sample_uniform = regions(self._to_device(inputs.floats),
                                                                      inputs.float_sizes)
+        accept_uniform, sample_uniform = accept_uniform.view(shape), sample_uniform.view(shape)
+        windowed = [(s, index, chunk) for s, (index, chunk) in enumerate(zip(indices, chunks)) if chunk.draw_window]
+        if windowed:  # behind a verify: the draws at the positions it left each chunk at
+            rows = self._to_device(np.array([s for s, _, _ in windowed], dtype=np.int64))
+            windows = [(index, chunk.draw_window) for _, index, chunk in windowed]
+            for target, draws in ((accept_uniform, [chunk.accept_uniforms for _, _, chunk in windowed]),
+                                  (sample_uniform, [chunk.sample_uniforms for _, _, chunk in windowed])):
+                target.index_copy_(0, rows, shifted.draws(draws, inputs.width, windows, self._to_device))
         return (*self.artifact.run(ACCEPT_DRAFTS_SAMPLED, [
             logits, row_index, drafts, num_drafts, temperature, top_p, top_k,
-            accept_uniform.view(shape), sample_uniform.view(shape)]), num_drafts)
+            accept_uniform, sample_uniform]), num_drafts)
 
     def _score_sampled(self, logits: torch.Tensor, ids: torch.Tensor, indices: tuple[int, ...],
                        rows: list[Chunk]) -> list[ScoredRows]:
@@ -584,8 +627,10 @@ class Executor:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _sample(self, logits: torch.Tensor, chunks: list[Chunk], mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Sampled ids [rows], on the device; `mask` (a bitmask per row, on the device) bans tokens."""
+    def _sample(self, logits: torch.Tensor, chunks: list[Chunk], mask: torch.Tensor | None = None,
+                indices: tuple[int, ...] = (), shifted: _DrawShift | None = None) -> torch.Tensor:
+        """Sampled ids [rows], on the device; `mask` (a bitmask per row, on the device) bans tokens. `indices`:
+        the rows' chunk indices, by which `shifted` finds the draws of chunks behind a verify."""
         processed, slots = self.logits_processor.apply(logits, chunks)
         if mask is not None:
             if processed is logits:  # the raw logits stay as they are: log probabilities are read from them
@@ -605,6 +650,13 @@ class Executor:
             floats[:, :num_rows] = [[p.temperature for p in params], [p.top_p for p in params],
                                     [c.uniform for c in chunks]]
             floats = self._to_device(floats)[:, :num_rows]
+            windowed = [(row, index, chunk) for row, (index, chunk) in enumerate(zip(indices, chunks))
+                        if chunk.draw_window]
+            if windowed:  # behind a verify: the draw at the position it left each chunk at
+                rows = self._to_device(np.array([row for row, _, _ in windowed], dtype=np.int64))
+                draws = shifted.draws([chunk.sample_uniforms for _, _, chunk in windowed], 1,
+                                      [(index, chunk.draw_window) for _, index, chunk in windowed], self._to_device)
+                floats[2].index_copy_(0, rows, draws[:, 0])
             top_k = self._to_device(np.array([p.top_k for p in params], dtype=np.int64))
             ids = self.artifact.run(SAMPLE, [logits, floats[0], floats[1], top_k, floats[2]])[0]
         self.logits_processor.count(ids, chunks, slots)

@@ -30,8 +30,10 @@ chunk starts after all those drafts, and the executor moves it back by the rejec
 where the accepted count is known first, its first token the last one the verify emits. A host drafter
 drafts it after a guess of what the verify emits (its drafts, then the drafter's next token); a wrong guess
 costs only that chunk's drafts; a device drafter (DFlash) drafts it on the device, after the acceptance.
-Sampled requests still wait for the result, skipping one step: their draws are keyed by position, which
-only the device knows then. A request whose drafter proposed nothing, or whose drafts were all rejected,
+A sampled request's draws are keyed by position, which only the device knows then: its chunk behind a verify
+carries windows of draws that start as many positions early as that verify has drafts (ScheduledChunk.
+draw_window), and the executor takes each row's draw at the position the verify leaves it at, on the device.
+A request whose drafter proposed nothing, or whose drafts were all rejected,
 decodes without drafts for 1, 2, 4 ... up to MAX_DRAFT_PAUSE steps (doubling with each such attempt in a
 row) before its drafter is asked again; an accepted draft ends the pause.
 
@@ -96,6 +98,8 @@ class ScheduledChunk:
     previous_sample: int | None = None  # a decode of an in-flight sample: that chunk's index in the last plan
     # A verifying decode: its last len(drafts) tokens are drafted, not known (a device drafter's: placeholders).
     drafts: tuple[int, ...] = ()
+    # A sampled decode behind a verify in flight: that verify's drafts, the positions it may yet fall back by.
+    draw_window: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,21 +182,12 @@ class Scheduler:
         return plan
 
     def _can_decode(self, request: Request) -> bool:
-        """Its pending token is known, or is sampled by the last plan and may follow it there (_may_follow), and
-        another sample stays in its limits (counting its drafts in flight as accepted)."""
+        """Its pending token is known, or is sampled by the last plan (it follows that chunk there), and another
+        sample stays in its limits (counting its drafts in flight as accepted)."""
         is_known = request.num_computed < len(request.tokens)
-        is_fed = is_known or (request.id in self._sampling_index and self._may_follow(request))
+        is_fed = is_known or request.id in self._sampling_index
         within_limits = request.num_sampled < request.spec.max_new_tokens and request.length < self.config.max_context
         return request.is_decoding and is_fed and within_limits
-
-    def _may_follow(self, request: Request) -> bool:
-        """Whether a request whose newest token is still in flight is planned now, behind it.
-
-        Behind a verify, its position is known only on the device (the executor moves the chunk back by the
-        rejected drafts there), so only a greedy request follows one: a sampled draw is keyed by position, on
-        the host. A host drafter drafts after a guess of what the step in flight emits (_propose); a device
-        drafter drafts on the device, once that is known there."""
-        return not (self._in_flight_chunk(request).drafts and not request.spec.sampling.is_greedy)
 
     def _in_flight_chunk(self, request: Request) -> ScheduledChunk | None:
         """The last plan's chunk that samples the request's newest token, while that token is unknown."""
@@ -332,9 +327,10 @@ class Scheduler:
             request.num_unresolved += 1
         draw = samples and not request.spec.sampling.is_greedy
         uniform = request.random.uniform(request.length - 1) if draw else 0.0  # the sampled token's position
+        window = len(self._last_chunks[previous].drafts) if draw and previous is not None else 0
         if request.stats.first_scheduled_step is None:
             request.stats.first_scheduled_step = self.step
-        return ScheduledChunk(request.id, start, count + len(drafts), samples, uniform, previous, drafts)
+        return ScheduledChunk(request.id, start, count + len(drafts), samples, uniform, previous, drafts, window)
 
     def _fits(self, request: Request, reserve: int) -> bool:
         """Whether a waiting request can be admitted: the cells free, or held only by the cache, cover all its
@@ -424,11 +420,16 @@ class Scheduler:
             spec = request.spec
             sampling = spec.sampling if c.samples else None
             logprobs = spec.logprobs if c.samples else None
+            window = ()
+            if c.draw_window:  # the draws at the positions of the token it samples, from the verify's all rejected
+                sampled_at = c.start + c.num_tokens
+                window = tuple(request.random.uniform(p) for p in range(sampled_at - c.draw_window, sampled_at + 1))
             chunks.append(Chunk(request.cells.cells, tokens, c.start, sampling, c.uniform, c.previous_sample,
                                 logprobs, _prompt_targets(request, c), spec.prompt_logprobs or 0, request.id,
                                 _banned(request) if c.samples else (),
                                 spec.prompt_ids if c.samples and spec.sampling.has_penalties else (),
-                                c.samples and spec.grammar is not None))
+                                c.samples and spec.grammar is not None,
+                                sample_uniforms=window, draw_window=c.draw_window))
         return chunks
 
     def commit(self, plan: StepPlan, tokens: tuple[int | None, ...],
@@ -596,10 +597,10 @@ def _missed(request: Request) -> None:
 def _verifying_chunk(request: Request, chunk: ScheduledChunk, drafts_on_device: bool) -> Chunk:
     """The executor's chunk for a verifying decode: its pending token and drafts (or their placeholders, which
     the executor's device drafter fills), and the request's draws for each row's position (row j decides the
-    token at position start + 1 + j)."""
+    token at position start + 1 + j), from draw_window positions earlier behind a verify in flight."""
     spec = request.spec
     num_rows = len(chunk.drafts) + 1
-    positions = range(chunk.start + 1, chunk.start + 1 + num_rows)
+    positions = range(chunk.start + 1 - chunk.draw_window, chunk.start + 1 + num_rows)
     if spec.sampling.is_greedy:
         accept, sample = (0.0,) * (num_rows - 1), (0.0,) * num_rows
     else:
@@ -608,7 +609,8 @@ def _verifying_chunk(request: Request, chunk: ScheduledChunk, drafts_on_device: 
     pending = request.tokens[chunk.start] if chunk.previous_sample is None else PLACEHOLDER_TOKEN
     return Chunk(request.cells.cells, (pending,) + chunk.drafts, chunk.start, spec.sampling,
                  previous_sample=chunk.previous_sample, request_id=request.id, drafts=chunk.drafts,
-                 accept_uniforms=accept, sample_uniforms=sample, drafts_on_device=drafts_on_device)
+                 accept_uniforms=accept, sample_uniforms=sample, drafts_on_device=drafts_on_device,
+                 draw_window=chunk.draw_window)
 
 
 def _banned(request: Request) -> tuple[int, ...]:

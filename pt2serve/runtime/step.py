@@ -89,6 +89,12 @@ class Chunk:
     its rows are scored, and per row `accept_uniforms` (one per draft) and `sample_uniforms` (one per row) are
     the request's draws for the token at that row's position. With `drafts_on_device` the drafts are
     placeholders: a device drafter drafts them as the step launches and they go into its inputs there.
+
+    Behind a verify (previous_sample names one), a sampled chunk's positions may fall back by up to that
+    verify's drafts, `draw_window`: its draws then start that many positions early (`sample_uniforms`, and a
+    verifying chunk's `accept_uniforms`, are longer by draw_window; a sampled chunk's window is its
+    `sample_uniforms`, its `uniform` the last of them), and the executor takes each row's draw at the position
+    the verify leaves it at, on the device.
     """
 
     cells: np.ndarray  # the sequence's cells for positions 0 .. start + len(tokens) - 1
@@ -108,6 +114,7 @@ class Chunk:
     accept_uniforms: tuple[float, ...] = ()
     sample_uniforms: tuple[float, ...] = ()
     drafts_on_device: bool = False  # its drafts are placeholders: the executor's device drafter writes them
+    draw_window: int = 0
 
     @property
     def end(self) -> int:

@@ -60,11 +60,11 @@ def acceptance_inputs(chunks: list[Chunk]) -> AcceptanceInputs:
     temperature, top_p, accept_uniform, sample_uniform = regions(floats, float_sizes)
     temperature[:] = [c.sampling.temperature for c in chunks]
     top_p[:] = [c.sampling.top_p for c in chunks]
-    if not is_greedy:
+    if not is_greedy:  # (a chunk behind a verify: the draws for all of that one's drafts accepted, see Chunk)
         accept_uniform.reshape(num_seqs, width)[columns[None, :] < counts[:, None]] = [
-            u for c in chunks for u in c.accept_uniforms]
+            u for c in chunks for u in c.accept_uniforms[c.draw_window:]]
         sample_uniform.reshape(num_seqs, width)[columns[None, :] <= counts[:, None]] = [
-            u for c in chunks for u in c.sample_uniforms]
+            u for c in chunks for u in c.sample_uniforms[c.draw_window:]]
     return AcceptanceInputs(num_seqs, width, ints, floats, is_greedy)
 
 
