@@ -62,10 +62,10 @@ def wait_ready(url: str, server: subprocess.Popen) -> None:
     sys.exit(f"the server was not ready after {READY_LIMIT_S} s")
 
 
-def bench(url: str, args: argparse.Namespace, json_path: str) -> dict:
+def bench(url: str, args: argparse.Namespace, json_path: str, seed: int) -> dict:
     command = [sys.executable, "-m", "pt2serve.cli", "bench", "--mode", "requests", "--url", url,
                "--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
-               "--max-new-tokens", str(args.max_new_tokens), "--json", json_path]
+               "--max-new-tokens", str(args.max_new_tokens), "--seed", str(seed), "--json", json_path]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return json.loads(Path(json_path).read_text())["summary"]
 
@@ -88,9 +88,11 @@ def main() -> None:
     try:
         wait_ready(url, server)
         with tempfile.TemporaryDirectory() as tmp:
-            bench(url, args, f"{tmp}/warm.json")  # the first requests warm the pools, caches and connections
+            # The first requests warm the pools, caches and connections; on other prompts, so that the measured
+            # load finds none of its own in the prefix cache.
+            bench(url, args, f"{tmp}/warm.json", seed=1)
             before = thread_cpu_seconds(server.pid)
-            summary = bench(url, args, f"{tmp}/load.json")
+            summary = bench(url, args, f"{tmp}/load.json", seed=0)
             after = thread_cpu_seconds(server.pid)
     finally:
         server.send_signal(signal.SIGINT)  # a clean exit, so cProfile writes its file
@@ -102,7 +104,8 @@ def main() -> None:
     tokens = summary["output_tokens"]
     rate = summary["output_tokens_per_second"]
     print(f"{args.requests} x {args.prompt_tokens} -> {args.max_new_tokens} through HTTP: {tokens} tokens, "
-          f"{rate:,.0f} output tok/s")
+          f"{rate:,.0f} output tok/s, {summary['prompt_tokens_reused']:,} of {summary['prompt_tokens']:,} prompt "
+          "tokens from the prefix cache")
     print("| thread | CPU s | CPU us per output token |")
     print("| --- | --- | --- |")
     print(f"| event loop (main) | {loop:.2f} | {1e6 * loop / tokens:.0f} |")
