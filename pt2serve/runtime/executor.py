@@ -227,18 +227,27 @@ class _DrawShift:
     shortfall: torch.Tensor
     rows: dict[int, int]  # chunk index -> row of shortfall
 
-    def draws(self, windows: list[tuple[float, ...]], width: int, chunks_and_windows: list[tuple[int, int]],
-              to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
-        """[len(windows), width]: row i is windows[i] from column draw_window + shortfall on, for each (chunk index,
-        draw_window) of chunks_and_windows. One copy carries the rows and columns, one the windows."""
-        num = len(windows)
-        padded = np.zeros((num, max(map(len, windows)) + width), dtype=np.float32)
-        for row, window in enumerate(windows):
-            padded[row, :len(window)] = window
-        columns = np.array([window for _, window in chunks_and_windows], dtype=np.int64)[:, None] + np.arange(width)
-        index = to_device(np.concatenate([[self.rows[c] for c, _ in chunks_and_windows], columns.reshape(-1)]))
-        columns = index[num:].view(num, width) + self.shortfall.index_select(0, index[:num])[:, None]
-        return to_device(padded).gather(1, columns)
+    def copy_into(self, targets: list[tuple[torch.Tensor, Callable[[Chunk], tuple[float, ...]]]],
+                  indices: tuple[int, ...], chunks: list[Chunk],
+                  to_device: Callable[[np.ndarray], torch.Tensor]) -> None:
+        """Rows of a call (`indices`: their chunk indices) whose chunks have draw windows: in each (target [rows,
+        width], window of a chunk), the row becomes its window from column draw_window + shortfall on. One copy
+        carries the rows and columns, one per target the windows."""
+        windowed = [(row, index, chunk) for row, (index, chunk) in enumerate(zip(indices, chunks)) if chunk.draw_window]
+        if not windowed:
+            return
+        num, width = len(windowed), targets[0][0].shape[1]
+        columns = np.array([chunk.draw_window for _, _, chunk in windowed], dtype=np.int64)[:, None] + np.arange(width)
+        index = to_device(np.concatenate([[row for row, _, _ in windowed], [self.rows[i] for _, i, _ in windowed],
+                                          columns.reshape(-1)]))
+        rows, columns = index[:num], index[2 * num:].view(num, width)
+        columns = columns + self.shortfall.index_select(0, index[num:2 * num])[:, None]
+        for target, window_of in targets:
+            windows = [window_of(chunk) for _, _, chunk in windowed]
+            padded = np.zeros((num, max(map(len, windows)) + width), dtype=np.float32)
+            for row, window in enumerate(windows):
+                padded[row, :len(window)] = window
+            target.index_copy_(0, rows, to_device(padded).gather(1, columns))
 
 
 class DeferredSampling:
@@ -518,13 +527,9 @@ class Executor:
         temperature, top_p, accept_uniform, sample_uniform = regions(self._to_device(inputs.floats),
                                                                      inputs.float_sizes)
         accept_uniform, sample_uniform = accept_uniform.view(shape), sample_uniform.view(shape)
-        windowed = [(s, index, chunk) for s, (index, chunk) in enumerate(zip(indices, chunks)) if chunk.draw_window]
-        if windowed:  # behind a verify: the draws at the positions it left each chunk at
-            rows = self._to_device(np.array([s for s, _, _ in windowed], dtype=np.int64))
-            windows = [(index, chunk.draw_window) for _, index, chunk in windowed]
-            for target, draws in ((accept_uniform, [chunk.accept_uniforms for _, _, chunk in windowed]),
-                                  (sample_uniform, [chunk.sample_uniforms for _, _, chunk in windowed])):
-                target.index_copy_(0, rows, shifted.draws(draws, inputs.width, windows, self._to_device))
+        if shifted is not None:  # behind a verify: the draws at the positions it left each chunk at
+            shifted.copy_into([(accept_uniform, lambda chunk: chunk.accept_uniforms),
+                               (sample_uniform, lambda chunk: chunk.sample_uniforms)], indices, chunks, self._to_device)
         return (*self.artifact.run(ACCEPT_DRAFTS_SAMPLED, [
             logits, row_index, drafts, num_drafts, temperature, top_p, top_k,
             accept_uniform, sample_uniform]), num_drafts)
@@ -650,13 +655,9 @@ class Executor:
             floats[:, :num_rows] = [[p.temperature for p in params], [p.top_p for p in params],
                                     [c.uniform for c in chunks]]
             floats = self._to_device(floats)[:, :num_rows]
-            windowed = [(row, index, chunk) for row, (index, chunk) in enumerate(zip(indices, chunks))
-                        if chunk.draw_window]
-            if windowed:  # behind a verify: the draw at the position it left each chunk at
-                rows = self._to_device(np.array([row for row, _, _ in windowed], dtype=np.int64))
-                draws = shifted.draws([chunk.sample_uniforms for _, _, chunk in windowed], 1,
-                                      [(index, chunk.draw_window) for _, index, chunk in windowed], self._to_device)
-                floats[2].index_copy_(0, rows, draws[:, 0])
+            if shifted is not None:  # behind a verify: the draw at the position it left each chunk at
+                shifted.copy_into([(floats[2].view(-1, 1), lambda chunk: chunk.sample_uniforms)], indices, chunks,
+                                  self._to_device)
             top_k = self._to_device(np.array([p.top_k for p in params], dtype=np.int64))
             ids = self.artifact.run(SAMPLE, [logits, floats[0], floats[1], top_k, floats[2]])[0]
         self.logits_processor.count(ids, chunks, slots)
