@@ -37,6 +37,11 @@ def main(
     min_requests: int = typer.Option(0, help="Fail unless at least this many requests were sent."),
     expect_preemption: bool = typer.Option(False, "--expect-preemption", help="Fail unless some request was "
                                            "preempted (a pool small enough for it: serve with --num-cells)."),
+    sampled_replays: int = typer.Option(32, help="Seeded sampled answers asked again alone after the traffic: "
+                                        "each must come back the same."),
+    min_sampled_agreement: float = typer.Option(1.0, help="The share of those replays that must be identical (1 for "
+                                                "a --deterministic or fp32 artifact; a bf16 one's near-ties can "
+                                                "flip a draw when its step is cut differently)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the whole report here."),
 ) -> None:
     from pt2serve.soak.driver import run_soak
@@ -47,7 +52,8 @@ def main(
         options = SoakOptions(url=url, duration_s=duration, seed=seed, concurrency=concurrency, max_queued=max_queued,
                               api_key=api_key, designed=designed, warmup_s=warmup,
                               max_rss_growth_mb=max_rss_growth_mb, max_device_growth_mb=max_device_growth_mb,
-                              min_requests=min_requests, expect_preemption=expect_preemption)
+                              min_requests=min_requests, expect_preemption=expect_preemption,
+                              sampled_replays=sampled_replays, min_sampled_agreement=min_sampled_agreement)
         report = run_soak(options)
     except Pt2ServeError as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)

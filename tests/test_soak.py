@@ -19,7 +19,10 @@ import pytest
 from pt2serve.errors import Pt2ServeError
 from pt2serve.model.presets import toy_greedy_continuation, toy_recall_continuation
 from pt2serve.soak.calls import Target, post, via_openai
-from pt2serve.soak.oracle import Ask, Got, Oracle
+from pt2serve.soak.options import SoakOptions
+from pt2serve.soak.oracle import Ask, Got, Oracle, SampledLog
+from pt2serve.soak.replay import replay_sampled
+from pt2serve.soak.report import _sampled_check
 from pt2serve.soak.traffic import Shape, Traffic
 from servers import ServeProcess
 
@@ -47,6 +50,8 @@ def test_soak_on_the_cpu(recall_artifact, tmp_path):
         assert set(kinds) == KINDS  # every part of the mix ran
         assert kinds["session"]["cached_tokens"] > 0 and kinds["prefix"]["cached_tokens"] > 0
         assert report["server"]["ended_by_finish_reason"].get("cancelled", 0) > 0  # disconnects were noticed
+        sampled = report["sampled"]  # seeded sampled answers under load equal the same requests alone
+        assert sampled["replayed"] == 32 and sampled["identical"] == 32 and sampled["departing"] > 0, sampled
     finally:
         code, stderr = served.stop()
     assert code == 0 and "Traceback" not in stderr, stderr[-4000:]
@@ -81,14 +86,50 @@ def test_a_request_without_an_answer_in_time_is_a_problem_in_the_report_not_a_cr
     async def ask(read_timeout_s):
         async with httpx.AsyncClient(transport=httpx.MockTransport(never_answers)) as http:
             target = Target("http://soak.test", "m", http, None, Oracle(None))
-            outcome, ids = await post(target, "burst", Ask([1, 2, 3], 8), read_timeout_s=read_timeout_s)
-        assert ids is None
+            outcome, got = await post(target, "burst", Ask([1, 2, 3], 8), read_timeout_s=read_timeout_s)
+        assert got is None
         return outcome
 
     waited = asyncio.run(ask(None))
     assert waited.status is None and waited.problem == "ReadTimeout: no answer in time", waited
     left = asyncio.run(ask(0.1))
     assert left.left_early and left.problem is None, left
+
+
+@pytest.mark.parametrize("server, passes", [("seeded", True), ("ignores the seed", False), ("always greedy", False)])
+def test_seeded_sampled_answers_are_asked_again_alone(server, passes):
+    """The replay check against three servers of toy-recall-8b: one whose draws follow the seed (and depart from
+    the greedy design), one that ignores the seed, one whose sampled requests were turned greedy."""
+    calls = [0]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        calls[0] += 1
+        ids = toy_recall_continuation(body["prompt"], body["max_tokens"])
+        if body["temperature"] == 0 or server == "always greedy":
+            pass
+        elif server == "seeded":
+            ids[-1] = (ids[-1] + 1 + body["seed"] % 7) % 256
+        else:
+            ids[-1] = (ids[-1] + calls[0]) % 256
+        return httpx.Response(200, json={"choices": [{"text": "", "finish_reason": "length", "token_ids": ids}],
+                                         "usage": {"completion_tokens": len(ids)}})
+
+    async def soak() -> tuple:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+            target = Target("http://soak.test", "m", http, None, Oracle("toy-recall-8b", False), SampledLog())
+            rng = random.Random(0)
+            for _ in range(12):
+                ask = Ask([rng.randrange(256) for _ in range(10)], 4, temperature=1.5, seed=rng.randrange(2**31))
+                outcome, _ = await post(target, "complete", ask)
+                assert outcome.problem is None
+            await post(target, "complete", Ask([1, 2, 3], 4))  # greedy: not logged
+            return target.sampled, await replay_sampled(target, target.sampled, 8)
+
+    log, replay = asyncio.run(soak())
+    assert len(log.answers) == 12 and replay.replayed == 8
+    check = _sampled_check(replay, SoakOptions(url="http://soak.test", designed="toy-recall-8b"))
+    assert check.passed is passes, check.detail
 
 
 def test_a_request_the_server_holds_forever_ends_its_scenario_as_a_problem():

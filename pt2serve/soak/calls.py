@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import httpx
 import openai
 
-from pt2serve.soak.oracle import Ask, Got, Oracle
+from pt2serve.soak.oracle import Ask, Got, Oracle, SampledLog
 
 
 @dataclass
@@ -37,6 +37,14 @@ class Target:
     http: httpx.AsyncClient
     client: openai.AsyncOpenAI
     oracle: Oracle
+    sampled: SampledLog | None = None  # where the seeded sampled answers the oracle accepts are kept (replay.py)
+
+    def check(self, ask: Ask, got: Got) -> str | None:
+        """What is wrong with `got` (the oracle's verdict); an accepted seeded sampled answer is logged."""
+        problem = self.oracle.problem(ask, got)
+        if problem is None and self.sampled is not None and ask.seed is not None and ask.temperature > 0:
+            self.sampled.add(ask, got, self.oracle.departs_from_design(ask, got))
+        return problem
 
 
 def _path(ask: Ask) -> str:
@@ -93,7 +101,7 @@ async def via_openai(target: Target, kind: str, ask: Ask, stream: bool) -> Outco
     except Exception as err:  # a transport error while a stream is read, which not every client version wraps
         return Outcome(kind, status, f"{type(err).__name__}: {err}"[:300])
     cached = _cached(usage)
-    return Outcome(kind, 200, target.oracle.problem(ask, got), time.perf_counter() - started, ttft, cached)
+    return Outcome(kind, 200, target.check(ask, got), time.perf_counter() - started, ttft, cached)
 
 
 def _cached(usage: Any) -> int:
@@ -102,8 +110,9 @@ def _cached(usage: Any) -> int:
 
 
 async def post(target: Target, kind: str, ask: Ask, headers: dict[str, str] | None = None,
-               read_timeout_s: float | None = None) -> tuple[Outcome, list[int] | None]:
-    """A non-streamed request as raw HTTP; also returns the generated ids (token-id prompts only).
+               read_timeout_s: float | None = None) -> tuple[Outcome, Got | None]:
+    """A non-streamed request as raw HTTP; also returns what came back (with the generated ids for token-id
+    prompts), None without a 200.
     With `read_timeout_s` the client gives up that soon: a disconnect while the server works."""
     started = time.perf_counter()
     timeout = httpx.USE_CLIENT_DEFAULT if read_timeout_s is None else httpx.Timeout(60, read=read_timeout_s)
@@ -121,10 +130,9 @@ async def post(target: Target, kind: str, ask: Ask, headers: dict[str, str] | No
     data = reply.json()
     choice = data["choices"][0]
     text = choice["message"]["content"] if ask.is_chat else choice["text"]
-    ids = choice.get("token_ids")
-    got = Got(text, choice["finish_reason"], data["usage"]["completion_tokens"], token_ids=ids)
+    got = Got(text, choice["finish_reason"], data["usage"]["completion_tokens"], token_ids=choice.get("token_ids"))
     cached = data["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    return Outcome(kind, 200, target.oracle.problem(ask, got), time.perf_counter() - started, None, cached), ids
+    return Outcome(kind, 200, target.check(ask, got), time.perf_counter() - started, None, cached), got
 
 
 @dataclass
@@ -183,5 +191,5 @@ def stream_problem(target: Target, ask: Ask, read: StreamRead) -> str | None:
         return f"the stream ended with an error event: {read.error}"
     if not read.done:
         return "the stream ended without [DONE]"
-    return target.oracle.problem(ask, Got("".join(read.pieces), read.finish, read.completion_tokens,
+    return target.check(ask, Got("".join(read.pieces), read.finish, read.completion_tokens,
                                           token_chunks=read.token_chunks))

@@ -1,5 +1,5 @@
 """One soak run: learn the server's shape, run the clients until the deadline, wait for the server to go
-idle, and read its own numbers for the checks."""
+idle, read its own numbers for the checks, and ask some seeded sampled requests again alone."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import openai
 from pt2serve.errors import Pt2ServeError
 from pt2serve.soak.calls import Target
 from pt2serve.soak.options import SoakOptions
-from pt2serve.soak.oracle import Oracle
+from pt2serve.soak.oracle import Oracle, SampledLog
+from pt2serve.soak.replay import replay_sampled
 from pt2serve.soak.report import SoakReport
 from pt2serve.soak.traffic import Shape, Traffic
 from pt2serve.soak.watch import HealthLog, MemoryLog, poll_health, read_metrics, sample_memory, wait_until_idle
@@ -40,7 +41,7 @@ async def _run(options: SoakOptions) -> SoakReport:
         has_tokenizer = await _has_tokenizer(http, root, model)
         rng = random.Random(options.seed)
         shape = Shape(max_context, has_tokenizer, [rng.randrange(256) for _ in range(min(64, max_context // 4))])
-        target = Target(root, model, http, client, Oracle(options.designed, has_tokenizer))
+        target = Target(root, model, http, client, Oracle(options.designed, has_tokenizer), SampledLog())
         traffic = Traffic(target, shape, options.burst_size, session_prefix=f"soak-{options.seed}-{time.time_ns()}",
                           scenario_timeout_s=options.scenario_timeout_s)
         before = await read_metrics(watch_http, root)
@@ -67,10 +68,11 @@ async def _run(options: SoakOptions) -> SoakReport:
             after, idle_wait_s = await wait_until_idle(watch_http, root, options.drain_timeout_s)
             if memory.baseline_rss is not None:
                 memory.add(after)
+            replay = await replay_sampled(target, target.sampled, options.sampled_replays)
         finally:
             stop.set()
             await asyncio.gather(*watchers, return_exceptions=True)
-    return SoakReport(options, model, traffic_s, outcomes, health, memory, before, after, idle_wait_s)
+    return SoakReport(options, model, traffic_s, outcomes, health, memory, before, after, idle_wait_s, replay)
 
 
 async def _model(http: httpx.AsyncClient, root: str) -> tuple[str, int]:

@@ -26,6 +26,11 @@ class SoakOptions:
     max_device_growth_mb: float = 64.0  # reserved device memory over its post-warm-up level
     min_requests: int = 0  # fewer requests sent than this fails the run
     expect_preemption: bool = False  # the pool is small enough that requests must have been preempted
+    sampled_replays: int = 32  # seeded sampled answers asked again alone after the load (replay.py)
+    # The share of the replays that must come back the same. 1: an artifact exported with --deterministic, or
+    # fp32 on the CPU; a bf16 artifact without it computes a row's logits differently by its step's width and
+    # company, and a near-tie can flip a draw.
+    min_sampled_agreement: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -34,6 +39,8 @@ class SoakOptions:
             raise Pt2ServeError("--duration must be positive and --concurrency at least 1")
         if not 0 <= self.warmup_s < self.duration_s:
             raise Pt2ServeError(f"--warmup ({self.warmup_s} s) must be shorter than --duration ({self.duration_s} s)")
+        if self.sampled_replays < 0 or not 0 <= self.min_sampled_agreement <= 1:
+            raise Pt2ServeError("--sampled-replays must be at least 0 and --min-sampled-agreement in [0, 1]")
         if self.max_queued is not None and self.max_queued < 1:
             raise Pt2ServeError(f"--max-queued must be at least 1, got {self.max_queued}")
 

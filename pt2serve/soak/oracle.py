@@ -15,7 +15,7 @@ prompts are token ids, their text is empty and no stop string can match.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pt2serve.errors import Pt2ServeError
@@ -58,6 +58,21 @@ class Got:
     completion_tokens: int | None
     token_ids: list[int] | None = None  # non-streamed completions of token-id prompts
     token_chunks: int | None = None  # streams: chunks that carried a token
+
+
+@dataclass
+class SampledLog:
+    """The seeded sampled answers the oracle accepted (asked again alone after the load: replay.py), and how
+    many departed from the greedy design (designed presets)."""
+
+    answers: list[tuple[Ask, Got]] = field(default_factory=list)
+    departing: int = 0
+
+    def add(self, ask: Ask, got: Got, departs: bool) -> None:
+        # Streams of a model without a tokenizer carry neither text nor ids: nothing to compare them by.
+        if got.token_ids is not None or got.text:
+            self.answers.append((ask, got))
+            self.departing += departs
 
 
 @dataclass(frozen=True)
@@ -111,6 +126,16 @@ class Oracle:
             if cuts:
                 return Expected(ids[:count], text[: min(cuts)], "stop")
         return Expected(ids, self.tokenizer.decode(ids), finish)
+
+    def departs_from_design(self, ask: Ask, got: Got) -> bool:
+        """Whether a sampled answer differs from what the same request asks greedily (designed presets; False
+        elsewhere)."""
+        greedy = self.expect(Ask(ask.prompt, ask.max_tokens, stop=ask.stop, stop_token_ids=ask.stop_token_ids))
+        if greedy is None:
+            return False
+        if got.token_ids is not None:
+            return got.token_ids != greedy.ids
+        return got.text != greedy.text
 
     def problem(self, ask: Ask, got: Got) -> str | None:
         """What is wrong with `got`, or None."""

@@ -18,6 +18,7 @@ from rich.table import Table
 from pt2serve.bench.stats import summary
 from pt2serve.soak.calls import Outcome
 from pt2serve.soak.options import SoakOptions
+from pt2serve.soak.replay import SampledReplay
 from pt2serve.soak.watch import HealthLog, MemoryLog, Metrics
 
 MB = 1e6
@@ -41,6 +42,7 @@ class SoakReport:
     before: Metrics
     after: Metrics
     idle_wait_s: float
+    sampled: SampledReplay
     checks: list[Check] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -82,6 +84,7 @@ class SoakReport:
             "server": _server_deltas(self.before, self.after),
             "health": asdict(self.health),
             "memory": asdict(self.memory),
+            "sampled": asdict(self.sampled),
         }
 
     def tables(self) -> list[Table]:
@@ -148,11 +151,27 @@ def _checks(report: SoakReport) -> list[Check]:
               + (f" past --max-queued {o.max_queued}" if o.max_queued is not None else "")),
         Check("preemption", not o.expect_preemption or server["preemptions"] > 0,
               f"{server['preemptions']:.0f} requests preempted" + (" (expected some)" if o.expect_preemption else "")),
+        _sampled_check(report.sampled, o),
         _memory_check("host RSS", report.memory.baseline_rss, report.memory.max_rss, o.max_rss_growth_mb),
         _memory_check("device memory", report.memory.baseline_device, report.memory.max_device,
                       o.max_device_growth_mb, peak=report.memory.peak_device),
     ]
     return checks
+
+
+def _sampled_check(replay: SampledReplay, o: SoakOptions) -> Check:
+    """Seeded sampled answers under load equal the same requests alone; on a designed preset some depart from
+    the greedy design (a sampled request turned greedy would agree with its replay, and depart in none)."""
+    if o.sampled_replays == 0:
+        return Check("seeded sampling", True, "not checked (--sampled-replays 0)")
+    agreed = replay.identical >= o.min_sampled_agreement * replay.replayed
+    sampling = o.designed is None or replay.departing > 0
+    detail = (f"{replay.identical} of {replay.replayed} replayed alone came back the same (of {replay.recorded} "
+              f"seeded sampled answers; {o.min_sampled_agreement:.0%} wanted)")
+    if o.designed is not None:
+        detail += f"; {replay.departing} of {replay.recorded} depart from the greedy design (some wanted)"
+    return Check("seeded sampling", replay.replayed > 0 and agreed and sampling,
+                 detail + "".join(f"; {d}" for d in replay.differences))
 
 
 def _health_check(health: HealthLog, o: SoakOptions) -> Check:
