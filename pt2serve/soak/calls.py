@@ -192,4 +192,4 @@ def stream_problem(target: Target, ask: Ask, read: StreamRead) -> str | None:
     if not read.done:
         return "the stream ended without [DONE]"
     return target.check(ask, Got("".join(read.pieces), read.finish, read.completion_tokens,
-                                          token_chunks=read.token_chunks))
+                                 token_chunks=read.token_chunks))
