@@ -31,7 +31,9 @@ PT2SERVE = str(Path(sys.executable).with_name("pt2serve"))
 # One static width (decodes pad into it), forward_others for the rest: on the CPU a quantized layer is the same
 # aten ops at every width, so more static widths would only cost compile time.
 SIZES = (4,)
-INT4 = dict(quantize="int4", group_size=32, quantize_lm_head=True, quantize_embedding=True)
+# Groups of 128 (the default): toy-greedy's 320-wide rows end in a short group of 64, and its 128-wide MLP rows
+# are one group (compiled methods once left each row's short last group unwritten).
+INT4 = dict(quantize="int4", quantize_lm_head=True, quantize_embedding=True)
 INT8 = dict(quantize="int8")
 
 
@@ -43,13 +45,6 @@ def int8_artifact(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def int4_artifact(tmp_path_factory) -> Path:
     return exported("toy-greedy-int4-all", lambda path: quantized_options(path, **INT4), tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def int4_default_artifact(tmp_path_factory) -> Path:
-    """`--quantize int4` alone, as a new user exports: groups of 128, so toy-greedy's 320-wide rows end in a
-    short group of 64 (and its 128-wide MLP rows are one group)."""
-    return exported("toy-greedy-int4", lambda path: quantized_options(path, quantize="int4"), tmp_path_factory)
 
 
 def quantized_options(path: Path, **quantize) -> ExportOptions:
@@ -69,10 +64,10 @@ def test_quantized_artifacts_generate_the_designed_tokens(int8_artifact, int4_ar
             runner.close()
 
 
-def test_int4_keeps_the_designed_tokens_from_every_start_on_every_run(int4_default_artifact):
+def test_int4_keeps_the_designed_tokens_from_every_start_on_every_run(int4_artifact):
     """Every start token at once, twice. Compiled methods once left each row's short last group unwritten:
     from most starts the output was mostly token 0, and the same prompt answered differently run to run."""
-    runner = open_runner(int4_default_artifact)
+    runner = open_runner(int4_artifact)
     try:
         for run in range(2):
             handles = {start: runner.submit([start], max_new_tokens=6, ignore_eos=True) for start in range(256)}
@@ -106,7 +101,7 @@ def test_compiled_methods_match_the_eager_quantized_model(int8_artifact, int4_ar
 def test_metadata_and_inspect_show_the_quantization(int8_artifact, int4_artifact):
     int4 = read_metadata(int4_artifact).raw
     assert int4["quantization"] == {
-        "method": "rtn", "bits": 4, "packing": "split-halves-256", "group_size": 32, "symmetric": False, "act_order": False,
+        "method": "rtn", "bits": 4, "packing": "split-halves-256", "group_size": 128, "symmetric": False, "act_order": False,
         "num_layers_quantized": 10, "lm_head": True, "embedding": True,
     }
     int8 = read_metadata(int8_artifact).raw
@@ -119,12 +114,12 @@ def test_metadata_and_inspect_show_the_quantization(int8_artifact, int4_artifact
                            env={**os.environ, "COLUMNS": "250"})  # one table row per line
     assert shown.returncode == 0, shown.stderr
     text = shown.stdout
-    assert "int4 rtn, group 32, zero points" in text and "LM head and embedding quantized" in text
+    assert "int4 rtn, group 128, zero points" in text and "LM head and embedding quantized" in text
 
 
 def test_packed_weights_are_what_the_package_stores(int8_artifact, int4_artifact):
     """int8 stores a quarter of fp32's bytes for each quantized layer (plus one scale per row), int4 an eighth
-    (plus a scale and a zero per 32 inputs); the package carries them once."""
+    (plus a scale and a zero per 128 inputs); the package carries them once."""
     cfg = get_preset("toy-greedy").config
     float_bytes = 4 * cfg.weight_count
     sizes = {}
