@@ -219,7 +219,8 @@ def start_step(planned: Planned, preamble: str, repo: Path, state: State) -> Run
         check = subprocess.run(["python3", "-c", f"import {', '.join(planned.step.needs)}"], env=env,
                                capture_output=True, text=True)
         if check.returncode:
-            state.set(planned, f"not run: needs {', '.join(planned.step.needs)} (carry their wheels in .whl/)")
+            why = (check.stderr.strip().splitlines() or ["no message"])[-1]
+            state.set(planned, f"not run: needs {', '.join(planned.step.needs)} (carry their wheels in .whl/): {why}")
             return None
     state.set(planned, f"running since {time.strftime('%H:%M:%S')}")
     log = open(state.log(planned.id), "w")
