@@ -71,7 +71,8 @@ class RequestHandle:
         self._finish: StreamEvent | None = None
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
 
-    def _deliver(self, event: StreamEvent) -> None:
+    def deliver(self, event: StreamEvent) -> None:
+        """Take the request's next event (its engine calls this; the last carries the finish reason)."""
         if event.logprob is not None:
             self._logprobs.append(event.logprob)
         if event.prompt_logprobs is not None:
@@ -232,7 +233,7 @@ class Delivery:
         if live.handle.on_flush is not None:
             self._flushes[live.handle.on_flush] = None
         try:
-            live.handle._deliver(event)
+            live.handle.deliver(event)
         except Exception as err:  # a caller's callback that raises ends its own request, not the engine
             if event.finish_reason is None:
                 self._fail_request(request_id, None, f"the event callback raised {type(err).__name__}: {err}")

@@ -69,7 +69,7 @@ class GrammarCompiler:
             raise Pt2ServeError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {_first_line(err)}") from None
         # xgrammar's JSON strings admit raw control characters, which JSON forbids (they must be escaped) and
         # strict parsers refuse; compact JSON has none anywhere, so tokens holding one are banned outright.
-        return CompiledGrammar(grammar, self._no_control_bytes if spec.kind.startswith("json") else None)
+        return CompiledGrammar(grammar, self._no_control_bytes if spec.kind.startswith("json") else None, spec)
 
     def _get(self):
         if self._tokenizer_json is None:
@@ -104,6 +104,7 @@ class GrammarCompiler:
 class CompiledGrammar:
     grammar: Any  # xgrammar's CompiledGrammar
     allowed: torch.Tensor | None  # [words] int32: tokens it may ever use (None: all), ANDed into each mask
+    spec: GrammarSpec  # what it was compiled from (an engine in another process compiles it again)
 
 
 class Matcher:

@@ -24,15 +24,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from pt2serve.errors import Pt2ServeError
 from pt2serve.runtime.dflash import DFlashDrafter
 from pt2serve.runtime.drafter import DeviceDrafter, Drafter, NgramDrafter, Speculation, drafts_on_host
 from pt2serve.runtime.events import Completion, Delivery, RequestHandle, StreamEvent
 from pt2serve.runtime.executor import Executor
 from pt2serve.runtime.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
-from pt2serve.runtime.logprobs import MAX_TOP_LOGPROBS
 from pt2serve.runtime.pipeline import InFlight, StepPipeline, StepRecord
 from pt2serve.runtime.request import FinishReason, Request, RequestSpec
+from pt2serve.runtime.request_checks import RequestChecks
 from pt2serve.runtime.sampling import RequestRandom, SamplingParams
 from pt2serve.runtime.scheduler import Scheduler, SchedulerConfig
 from pt2serve.tokenizer import IncrementalDecoder, Tokenizer
@@ -109,6 +111,8 @@ class Runner:
         self.grammars = GrammarCompiler(
             tokenizer.files.tokenizer_json if tokenizer is not None else None, meta.vocab_size,
             tokenizer.eos_token_ids if tokenizer is not None else ())
+        self.checks = RequestChecks(tokenizer, meta.vocab_size, meta.max_context, executor.allocator.capacity,
+                                    drafter is not None, config.num_draft_tokens, self.grammars)
         # Sampling values the checkpoint's generation_config.json set, for requests that leave them out.
         self.generation_defaults: dict[str, float] = dict(meta.raw.get("generation_defaults") or {})
         self.vocab_size = meta.vocab_size
@@ -188,46 +192,21 @@ class Runner:
         `grammar`: what the output must match (a spec is compiled here, on the caller's thread).
         `speculate`: None speculates when the runner does and the request allows it; True insists (refused
         where it cannot), False decodes plainly."""
-        prompt_ids = self._prompt_ids(prompt)
-        if parent is not None and parent.prompt_ids != prompt_ids:
-            raise Pt2ServeError("a request shares its parent's cells only with the parent's prompt")
-        if parent is not None and prompt_logprobs is not None:
-            raise Pt2ServeError("a request that shares its parent's prompt does not compute it: ask the parent "
-                                "for prompt_logprobs")
-        if max_new_tokens < 1:
-            raise Pt2ServeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        for name, top in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-                raise Pt2ServeError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-        total = len(prompt_ids) + max_new_tokens
-        if total > self.max_context:
-            raise Pt2ServeError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
-                f"artifact's max context of {self.max_context} tokens"
-            )
-        if total > self.executor.allocator.capacity:
-            raise Pt2ServeError(f"{total} tokens exceed the KV pool ({self.executor.allocator.capacity} cells)")
-        stops = set(stop_token_ids)
-        if self.tokenizer is not None and not ignore_eos:
-            stops.update(self.tokenizer.eos_token_ids)
-        excluded = _not_speculating_because(sampling, logprobs, prompt_logprobs, parent is not None,
-                                            grammar is not None)
-        if speculate and self.drafter is None:
-            raise Pt2ServeError("this server does not speculate: start it with --speculate ngram or dflash")
-        if speculate and excluded:
-            raise Pt2ServeError(f"speculative decoding does not combine with {excluded}: leave it out, or do not "
-                                "ask to speculate")
-        speculates = self.drafter is not None and speculate is not False and not excluded
-        compiled = self.grammars.compile(grammar) if isinstance(grammar, GrammarSpec) else grammar
-        spec = RequestSpec(tuple(prompt_ids), max_new_tokens, sampling, frozenset(stops), tuple(stop_strings),
-                           session_id, ignore_eos, logprobs, prompt_logprobs, compiled,
-                           self.num_draft_tokens if speculates else 0)
-        handle = RequestHandle(next(self._ids), prompt_ids, on_event, on_flush)
+        prompt_ids = self.checks.prompt_ids(prompt)
+        spec = self.checks.spec(prompt_ids, max_new_tokens, sampling, stop_token_ids, stop_strings, session_id,
+                                ignore_eos, logprobs, prompt_logprobs,
+                                parent.prompt_ids if parent is not None else None, grammar, speculate)
+        return self.submit_spec(spec, on_event, on_flush, parent.id if parent is not None else None)
+
+    def submit_spec(self, spec: RequestSpec, on_event: Callable[[StreamEvent], None] | None = None,
+                    on_flush: Callable[[], None] | None = None, parent_id: int | None = None) -> RequestHandle:
+        """Queue a request `self.checks` made (submit's work once its arguments are checked)."""
+        handle = RequestHandle(next(self._ids), list(spec.prompt_ids), on_event, on_flush)
         with self._active_lock:
             if self._stopping:
                 raise Pt2ServeError("the runner is shut down")
             self._num_active += 1
-        self._inbox.put(("submit", handle, spec, parent.id if parent is not None else None))
+        self._inbox.put(("submit", handle, spec, parent_id))
         self._wakeup.set()
         return handle
 
@@ -252,23 +231,18 @@ class Runner:
         self._wakeup.set()
         self._thread.join()
 
+    def device_memory(self) -> dict[str, int] | None:
+        """Bytes torch's caching allocator holds on the runner's GPU (allocated, reserved, peak_reserved);
+        None on the CPU."""
+        device = self.executor.device
+        if device.type != "cuda":
+            return None
+        return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
+                "peak_reserved": torch.cuda.max_memory_reserved(device)}
+
     def generate(self, prompt: str | list[int], **kwargs) -> Completion:
         """Submit and wait."""
         return self.submit(prompt, **kwargs).result()
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise Pt2ServeError("this artifact has no tokenizer: send token ids, not text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise Pt2ServeError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise Pt2ServeError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        return ids
 
     # -- engine thread ---------------------------------------------------------------------------------
 
@@ -393,16 +367,3 @@ def _check_speculation(executor: Executor, num_draft_tokens: int, drafter: Draft
                             f"sequence, wider than the artifact's widest static width ({widest}): use at most "
                             f"{widest - 1}")
 
-
-def _not_speculating_because(sampling: SamplingParams, logprobs: int | None, prompt_logprobs: int | None,
-                             has_parent: bool, has_grammar: bool) -> str | None:
-    """What keeps a request from speculating, in words (None: nothing). Their logits or tokens need per-token
-    host or device work that verified steps do not do."""
-    reasons = [name for name, applies in (
-        ("structured output", has_grammar),
-        ("logprobs", logprobs is not None or prompt_logprobs is not None),
-        ("penalties or logit_bias", sampling.has_penalties or bool(sampling.logit_bias)),
-        ("min_tokens", sampling.min_tokens > 0),
-        ("n > 1", has_parent),
-    ) if applies]
-    return ", ".join(reasons) or None

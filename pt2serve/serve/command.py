@@ -100,6 +100,10 @@ def serve_artifact_command(
                                           "cores this process may use, at least 1, so the event loop and the engine "
                                           "thread keep a core; all of them made requests stall for seconds on a "
                                           "2-core host). The load line says how many."),
+    engine_process: bool = typer.Option(False, "--engine-process", help="Run the engine (the artifact, the "
+                                        "device, the scheduler) in a process of its own, so the server's Python "
+                                        "does not share one interpreter lock with it; --threads then applies to "
+                                        "that process."),
     log_level: str = typer.Option("warning", help="The server's log level, uvicorn's and pt2serve's (info shows each "
                                   "request, why a request was refused and the request fields it ignored)."),
 ) -> None:
@@ -125,6 +129,7 @@ def serve_artifact_command(
     torch.set_num_threads(threads or default_threads())
 
     from pt2serve.runtime.engine import describe_load, open_runner
+    from pt2serve.runtime.engine_process import EngineProcess
     from pt2serve.runtime.executor import ExecutorConfig
     from pt2serve.runtime.runner import RunnerConfig
     from pt2serve.serve.app import create_app
@@ -152,9 +157,16 @@ def serve_artifact_command(
     server = DrainingServer(uvicorn_config(app, host=host, port=port, log_config=log_config(log_level),
                                            log_level=log_level, timeout_graceful_shutdown=5), app.state.pt2serve)
     def describe(runner) -> str:
+        if engine_process:
+            return f"{runner.describe()}; engine in process {runner.pid}, CPU threads: {runner.info.torch_threads}"
         return f"{describe_load(runner)}; CPU threads: {torch.get_num_threads()}"
 
-    loader = BackgroundLoader(app, server, lambda: open_runner(artifact, device, executor_config, runner_config),
+    def load():
+        if engine_process:
+            return EngineProcess(artifact, device, executor_config, runner_config, threads or default_threads())
+        return open_runner(artifact, device, executor_config, runner_config)
+
+    loader = BackgroundLoader(app, server, load,
                               ready_message=lambda url: f"serving {config.model_name} at {url}/v1 (ready)",
                               describe=describe)
     loader.start()

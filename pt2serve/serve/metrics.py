@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -78,13 +77,12 @@ class _RunnerCollector(Collector):
         ("pt2serve_spec_verify_steps", "Speculative decoding: a request's steps that verified drafts (one per "
          "request and step; each emits its accepted drafts plus one token).", "verify_steps"),
     )
-    # torch's caching allocator on the runner's GPU; absent on the CPU, where process RSS tells the story.
+    # torch's caching allocator on the runner's GPU (Runner.device_memory's keys); absent on the CPU, where
+    # process RSS tells the story.
     _DEVICE_MEMORY = (
-        ("pt2serve_device_memory_allocated_bytes", "Device memory held by tensors.", torch.cuda.memory_allocated),
-        ("pt2serve_device_memory_reserved_bytes", "Device memory reserved by the caching allocator.",
-         torch.cuda.memory_reserved),
-        ("pt2serve_device_memory_peak_reserved_bytes", "Most device memory ever reserved.",
-         torch.cuda.max_memory_reserved),
+        ("pt2serve_device_memory_allocated_bytes", "Device memory held by tensors.", "allocated"),
+        ("pt2serve_device_memory_reserved_bytes", "Device memory reserved by the caching allocator.", "reserved"),
+        ("pt2serve_device_memory_peak_reserved_bytes", "Most device memory ever reserved.", "peak_reserved"),
     )
 
     def __init__(self, runner: Callable[[], Runner | None]) -> None:
@@ -103,6 +101,7 @@ class _RunnerCollector(Collector):
             yield GaugeMetricFamily(name, help_text, value=float(getattr(stats, attribute)))
         for name, help_text, attribute in self._COUNTERS:
             yield CounterMetricFamily(name, help_text, value=float(getattr(stats, attribute)))
-        if runner is not None and runner.executor.device.type == "cuda":
-            for name, help_text, read in self._DEVICE_MEMORY:
-                yield GaugeMetricFamily(name, help_text, value=float(read(runner.executor.device)))
+        memory = runner.device_memory() if runner is not None else None
+        if memory is not None:
+            for name, help_text, key in self._DEVICE_MEMORY:
+                yield GaugeMetricFamily(name, help_text, value=float(memory[key]))
