@@ -69,8 +69,8 @@ class EngineProcess:
         # A fresh interpreter (CUDA cannot be forked into), started plainly rather than by multiprocessing's
         # spawn, which would run the caller's main script again in it; the pipe is a socket pair it inherits.
         ours, theirs = socket.socketpair()
-        self._process = subprocess.Popen([sys.executable, "-m", "pt2serve.runtime.engine_process", str(theirs.fileno())],
-                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        command = [sys.executable, "-m", "pt2serve.runtime.engine_child", str(theirs.fileno())]
+        self._process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send((str(path), device, executor_config, runner_config, threads))
@@ -307,7 +307,7 @@ class _Outbox:
             self.conn.send(message)
 
 
-def _engine_main(conn: Connection) -> None:
+def run_engine(conn: Connection) -> None:
     """The engine process: load what the pipe's first message names, say so, then run what the pipe asks until
     it says close (or breaks)."""
     import torch
@@ -384,8 +384,3 @@ def _submit(runner: Runner, outbox: _Outbox, grammars: dict[GrammarSpec, Compile
         outbox.on_event(request_id, StreamEvent(None, "", FinishReason.ERROR, str(err)))
         outbox.flush()
 
-
-if __name__ == "__main__":  # the engine process; run by name, so what it pickles is this module's, not __main__'s
-    from pt2serve.runtime import engine_process
-
-    engine_process._engine_main(Connection(int(sys.argv[1])))
