@@ -91,8 +91,7 @@ class EngineProcess:
         self.drafter = info.drafter
         self.num_draft_tokens = info.num_draft_tokens
         tokenizer = self.tokenizer
-        self.grammars = GrammarCompiler(tokenizer.files.tokenizer_json if tokenizer is not None else None,
-                                        info.vocab_size, tokenizer.eos_token_ids if tokenizer is not None else ())
+        self.grammars = GrammarCompiler.for_tokenizer(tokenizer, info.vocab_size)
         self.checks = RequestChecks(tokenizer, info.vocab_size, info.max_context, info.pool_capacity,
                                     info.drafter is not None, info.num_draft_tokens, self.grammars)
         self._ids = itertools.count(1)

@@ -19,11 +19,14 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pt2serve.errors import Pt2ServeError
+
+if TYPE_CHECKING:
+    from pt2serve.tokenizer import Tokenizer
 
 INSTALL_HINT = "structured output needs xgrammar: pip install 'pt2serve[structured]'"
 BITS = 32  # tokens per bitmask word (int32)
@@ -51,6 +54,13 @@ class GrammarCompiler:
         self._compiler = None
         self._no_control_bytes: torch.Tensor | None = None  # [words] int32, set with the compiler
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer | None, vocab_size: int) -> GrammarCompiler:
+        """The compiler for an artifact's tokenizer (None: one that refuses every grammar with a message)."""
+        if tokenizer is None:
+            return cls(None, vocab_size, ())
+        return cls(tokenizer.files.tokenizer_json, vocab_size, tokenizer.eos_token_ids)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled grammar (shared by every matcher of it); Pt2ServeError for a bad one."""

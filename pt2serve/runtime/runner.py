@@ -108,9 +108,7 @@ class Runner:
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_context = meta.max_context
-        self.grammars = GrammarCompiler(
-            tokenizer.files.tokenizer_json if tokenizer is not None else None, meta.vocab_size,
-            tokenizer.eos_token_ids if tokenizer is not None else ())
+        self.grammars = GrammarCompiler.for_tokenizer(tokenizer, meta.vocab_size)
         self.checks = RequestChecks(tokenizer, meta.vocab_size, meta.max_context, executor.allocator.capacity,
                                     drafter is not None, config.num_draft_tokens, self.grammars)
         # Sampling values the checkpoint's generation_config.json set, for requests that leave them out.
