@@ -836,6 +836,8 @@ def test_metrics_parse_and_count(server, client):
     ttft = "pt2serve_time_to_first_token_seconds_count"
     assert after[ttft] == before[ttft] + 1
     assert after["pt2serve_time_per_output_token_seconds_count"] >= 1
+    # One step computes the prompt and the first token, then one step per token.
+    assert after["pt2serve_engine_steps_total"] - before["pt2serve_engine_steps_total"] >= 5
     for gauge in ("pt2serve_requests_waiting", "pt2serve_requests_running", "pt2serve_kv_cells_used",
                   "pt2serve_kv_cells_free", "pt2serve_prefix_cache_cells", "pt2serve_prefix_cache_hit_rate",
                   "pt2serve_preemptions_total"):

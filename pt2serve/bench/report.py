@@ -66,7 +66,7 @@ def requests_table(result: RequestsResult, title: str | None = None) -> Table:
                f"{_num(s['duration_seconds'])} s: {_num(s['output_tokens_per_second'])} output tok/s, "
                f"{_num(s['requests_per_second'])} req/s, {_num(s['prompt_tokens_per_second'])} computed prompt "
                f"tok/s ({result.target}); {_prompt_tokens(s)}; "
-               f"{_goodput(s)}{_steps(result)}{_speculation(result)}")
+               f"{_goodput(s)}{_steps(result)}{_speculation(result)}{_client_cpu(s)}")
     table = Table(title=title or "pt2serve bench: requests", caption=caption)
     for name in ("metric", "p50 ms", "p90 ms", "p99 ms", "mean ms", "max ms", "n"):
         table.add_column(name, justify="left" if name == "metric" else "right")
@@ -79,6 +79,14 @@ def requests_table(result: RequestsResult, title: str | None = None) -> Table:
         table.add_row(label, _ms(d["p50"]), _ms(d["p90"]), _ms(d["p99"]), _ms(d["mean"]), _ms(d["max"]),
                       str(d["count"]))
     return table
+
+
+def _client_cpu(s: dict[str, Any]) -> str:
+    """Through a server: the client's CPU over the load (near its duration: the client limits the numbers)."""
+    cpu, duration = s.get("client_cpu_seconds"), s.get("duration_seconds")
+    if cpu is None or not duration:
+        return ""
+    return f"; the client's CPU {cpu:.2f} s ({cpu / duration:.0%} of a core over the load)"
 
 
 def rates_table(result: RateSweepResult, title: str | None = None) -> Table:

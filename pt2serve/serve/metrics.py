@@ -70,6 +70,7 @@ class _RunnerCollector(Collector):
          "counts once.", "prefix_cache_hit_rate"),
     )
     _COUNTERS = (
+        ("pt2serve_engine_steps", "Steps the engine ran (each one batch of decodes and prompt chunks).", "num_steps"),
         ("pt2serve_preemptions", "Running requests whose cells were taken to make room (recomputed later).",
          "num_preemptions"),
         ("pt2serve_spec_draft_tokens", "Speculative decoding: drafted tokens verified.", "draft_tokens"),
