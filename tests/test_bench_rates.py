@@ -10,6 +10,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from pt2serve.bench import http_client
 from pt2serve.bench.options import LatencyTargets, RequestsOptions, parse_rates
 from pt2serve.bench.rates import RateSweepResult, run_request_rates
 from pt2serve.bench.report import rates_table
@@ -112,6 +113,15 @@ def test_rate_sweep_against_a_server(tiny_artifact, tiny_server):
         assert run.summary["completed"] == 4 and run.summary["requests_per_second"] > 0
         assert [t.arrival for t in run.requests] == arrival_times(
             RequestsOptions(requests=4, request_rate=run.options.request_rate, seed=1))
+    # Each run's own prompts: the second finds none of the first's in the server's prefix cache (with the same
+    # prompts it reused 4 x 9 of their 40 tokens).
+    assert result.runs[1].summary["prompt_tokens_reused"] < 10
+
+
+def test_requests_through_a_server_run_as_in_process():
+    """Greedy, and every token to max_tokens: a server's default temperature would sample (a slower step)."""
+    body = http_client._completion("m", [1, 2], 7)
+    assert body["temperature"] == 0 and body["ignore_eos"] is True and body["max_tokens"] == 7
 
 
 def test_parse_rates():

@@ -39,7 +39,7 @@ _HELP = f"""Benchmark an artifact: throughput per step width (sweep) or latency 
 - % of limit = limit / step interval. Rows whose steps were not T wide are flagged, not hidden.
 - eager ms: the peer, the row's middle measured step replayed through the uncompiled model module on the same weights (no compile, no CUDA graphs); x eager = eager ms / exec ms. --no-eager-peer skips it.
 
---mode requests: --requests prompts of --prompt-tokens random token ids, --max-new-tokens each (in-process with ignore_eos), arriving every --stagger-ms or as a seeded Poisson process at --request-rate. --url drives a running server's OpenAI API (POST /v1/completions, stream=true) instead. --request-rates 1,2,4,8 runs the whole workload once per rate (Poisson arrivals) and prints one row per offered rate: where achieved throughput stops following it and latency climbs, the target is saturated.
+--mode requests: --requests prompts of --prompt-tokens random token ids, --max-new-tokens each (greedy, with ignore_eos), arriving every --stagger-ms or as a seeded Poisson process at --request-rate. --url drives a running server's OpenAI API (POST /v1/completions, stream=true, temperature 0, ignore_eos) instead. --request-rates 1,2,4,8 runs the whole workload once per rate (Poisson arrivals; each run's own prompts, so a server's prefix cache holds none from the run before) and prints one row per offered rate: where achieved throughput stops following it and latency climbs, the target is saturated.
 
 - TTFT = first token time - submit time
 - TPOT = (end - first token time) / (n - 1), n = output tokens (n >= 2)

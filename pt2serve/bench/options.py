@@ -82,6 +82,9 @@ class RequestsOptions:
     stagger_ms: float = 0.0  # fixed gap between arrivals
     request_rate: float | None = None  # requests/s, Poisson arrivals (exponential gaps drawn with `seed`)
     seed: int = 0
+    # Which of the seed's prompt sets: each run of a rate sweep draws its own, so a server's prefix cache holds
+    # none of a run's prompts from the run before (an in-process runner starts each run cold anyway).
+    prompt_set: int = 0
     url: str | None = None  # drive a running server instead of an in-process runner
     model: str | None = None  # model name sent to the server (None: the first of GET /v1/models)
     timeout: float = 600.0  # seconds the whole run may take

@@ -1,7 +1,8 @@
 """--request-rates: the requests workload once per offered rate, to show where the server saturates.
 
-Each rate is a full run of the same workload (the same prompts, Poisson arrivals of that rate drawn with the
-same seed) on one target: an in-process runner loaded once, or a server at --url. Below saturation the
+Each rate is a full run of the same workload (prompts of the same lengths, but each run's own, so a server's
+prefix cache finds none of them from the run before; Poisson arrivals of that rate drawn with the same seed) on one
+target: an in-process runner loaded once, or a server at --url. Below saturation the
 achieved request rate follows the offered one and latencies stay flat; past it the achieved rate levels off,
 TTFT grows with the queue, and goodput (requests per second that met the latency targets) falls.
 """
@@ -41,7 +42,8 @@ def run_request_rates(
     progress: Progress | None = None,
 ) -> RateSweepResult:
     """The workload at each rate in `rates` (requests/s), on one target."""
-    plans = [replace(options, request_rate=rate, stagger_ms=0.0) for rate in rates]
+    plans = [replace(options, request_rate=rate, stagger_ms=0.0, prompt_set=number)
+             for number, rate in enumerate(rates)]
     for plan in plans:
         plan.check()
     runs = []

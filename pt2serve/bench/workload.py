@@ -24,7 +24,7 @@ def arrival_times(options: RequestsOptions) -> list[float]:
 
 
 def make_prompts(options: RequestsOptions, vocab_size: int) -> list[list[int]]:
-    rng = np.random.default_rng(options.seed + 1)
+    rng = np.random.default_rng(options.seed + 1 if not options.prompt_set else [options.seed + 1, options.prompt_set])
     return [rng.integers(0, vocab_size, options.prompt_tokens).tolist() for _ in range(options.requests)]
 
 
