@@ -113,7 +113,8 @@ def main() -> None:
     print("| thread | CPU s | CPU us per output token |")
     print("| --- | --- | --- |")
     print(f"| event loop (main) | {loop:.2f} | {1e6 * loop / tokens:.0f} |")
-    print(f"| busiest other ({'the event reader' if args.engine_process else 'the engine'}) | {busiest:.2f} | {1e6 * busiest / tokens:.0f} |")
+    busiest_is = "the event reader" if args.engine_process else "the engine"
+    print(f"| busiest other ({busiest_is}) | {busiest:.2f} | {1e6 * busiest / tokens:.0f} |")
     print(f"| all others ({len(spent)}) | {sum(spent.values()):.2f} | {1e6 * sum(spent.values()) / tokens:.0f} |")
 
 

@@ -2,11 +2,11 @@
 
 Each request is POST {url}/v1/completions with the prompt as token ids (the chat workload: POST
 {url}/v1/chat/completions with the conversation's messages), max_tokens, temperature 0 and ignore_eos (as the
-in-process driver runs them), stream=true and stream_options.include_usage; the reply is read as server-sent events (`data: {...}` lines, ending with
-`data: [DONE]`). A chunk that carries a choice is a token arrival: the first one sets the first-token time,
-the last one the end. The output token count is the usage's completion_tokens when the server sends it,
-else the number of chunks that carried text or no finish reason; the usage also gives the prompt tokens
-and those reused from the server's prefix cache.
+in-process driver runs them), stream=true and stream_options.include_usage; the reply is read as server-sent
+events (`data: {...}` lines, ending with `data: [DONE]`). A chunk that carries a choice is a token arrival: the
+first one sets the first-token time, the last one the end. The output token count is the usage's
+completion_tokens when the server sends it, else the number of chunks that carried text or no finish reason; the
+usage also gives the prompt tokens and those reused from the server's prefix cache.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ async def _first_model(client: httpx.AsyncClient, base: str) -> str:
 
 
 # What every request asks besides its prompt, as the in-process driver runs it: greedy (a server's default
-# temperature samples, and its sampler costs the 8B about 1 ms a step at 64 sequences), every token to max_tokens.
+# temperature samples, which cost the 8B about 0.8 ms a step at 64 sequences), every token to max_tokens.
 AS_IN_PROCESS = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
