@@ -147,13 +147,12 @@ class EngineProcess:
         speculate: bool | None = None,
     ) -> RequestHandle:
         """As Runner.submit: checked here, then queued in the engine process."""
-        prompt_ids = self.checks.prompt_ids(prompt)
-        spec = self.checks.spec(prompt_ids, max_new_tokens, sampling, stop_token_ids, stop_strings, session_id,
+        spec = self.checks.spec(prompt, max_new_tokens, sampling, stop_token_ids, stop_strings, session_id,
                                 ignore_eos, logprobs, prompt_logprobs,
                                 parent.prompt_ids if parent is not None else None, grammar, speculate)
         if spec.grammar is not None:  # compiled above (a bad one is refused at once); it travels as its spec
             spec = replace(spec, grammar=spec.grammar.spec)
-        handle = RequestHandle(next(self._ids), prompt_ids, on_event, on_flush)
+        handle = RequestHandle(next(self._ids), list(spec.prompt_ids), on_event, on_flush)
         with self._lock:
             if self._stopped is not None:
                 raise Pt2ServeError(self._stopped)

@@ -27,7 +27,7 @@ class RequestChecks:
     num_draft_tokens: int
     grammars: GrammarCompiler
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise Pt2ServeError("this artifact has no tokenizer: send token ids, not text")
@@ -43,7 +43,7 @@ class RequestChecks:
 
     def spec(
         self,
-        prompt_ids: list[int],
+        prompt: str | list[int],
         max_new_tokens: int,
         sampling: SamplingParams,
         stop_token_ids: tuple[int, ...],
@@ -57,6 +57,7 @@ class RequestChecks:
         speculate: bool | None,
     ) -> RequestSpec:
         """The spec of a request that can run (Runner.submit says what each argument means)."""
+        prompt_ids = self._prompt_ids(prompt)
         if parent_prompt_ids is not None and parent_prompt_ids != prompt_ids:
             raise Pt2ServeError("a request shares its parent's cells only with the parent's prompt")
         if parent_prompt_ids is not None and prompt_logprobs is not None:
@@ -78,8 +79,8 @@ class RequestChecks:
         stops = set(stop_token_ids)
         if self.tokenizer is not None and not ignore_eos:
             stops.update(self.tokenizer.eos_token_ids)
-        excluded = not_speculating_because(sampling, logprobs, prompt_logprobs, parent_prompt_ids is not None,
-                                           grammar is not None)
+        excluded = _not_speculating_because(sampling, logprobs, prompt_logprobs, parent_prompt_ids is not None,
+                                            grammar is not None)
         if speculate and not self.speculates:
             raise Pt2ServeError("this server does not speculate: start it with --speculate ngram or dflash")
         if speculate and excluded:
@@ -92,8 +93,8 @@ class RequestChecks:
                            self.num_draft_tokens if speculates else 0)
 
 
-def not_speculating_because(sampling: SamplingParams, logprobs: int | None, prompt_logprobs: int | None,
-                            has_parent: bool, has_grammar: bool) -> str | None:
+def _not_speculating_because(sampling: SamplingParams, logprobs: int | None, prompt_logprobs: int | None,
+                             has_parent: bool, has_grammar: bool) -> str | None:
     """What keeps a request from speculating, in words (None: nothing). Their logits or tokens need per-token
     host or device work that verified steps do not do."""
     reasons = [name for name, applies in (

@@ -190,8 +190,7 @@ class Runner:
         `grammar`: what the output must match (a spec is compiled here, on the caller's thread).
         `speculate`: None speculates when the runner does and the request allows it; True insists (refused
         where it cannot), False decodes plainly."""
-        prompt_ids = self.checks.prompt_ids(prompt)
-        spec = self.checks.spec(prompt_ids, max_new_tokens, sampling, stop_token_ids, stop_strings, session_id,
+        spec = self.checks.spec(prompt, max_new_tokens, sampling, stop_token_ids, stop_strings, session_id,
                                 ignore_eos, logprobs, prompt_logprobs,
                                 parent.prompt_ids if parent is not None else None, grammar, speculate)
         return self.submit_spec(spec, on_event, on_flush, parent.id if parent is not None else None)

@@ -126,7 +126,8 @@ def serve_artifact_command(
 
     import torch
 
-    torch.set_num_threads(threads or default_threads())
+    threads = threads or default_threads()
+    torch.set_num_threads(threads)
 
     from pt2serve.runtime.engine import describe_load, open_runner
     from pt2serve.runtime.engine_process import EngineProcess
@@ -163,7 +164,7 @@ def serve_artifact_command(
 
     def load():
         if engine_process:
-            return EngineProcess(artifact, device, executor_config, runner_config, threads or default_threads())
+            return EngineProcess(artifact, device, executor_config, runner_config, threads)
         return open_runner(artifact, device, executor_config, runner_config)
 
     loader = BackgroundLoader(app, server, load,
