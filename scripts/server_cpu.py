@@ -4,7 +4,8 @@
     python scripts/server_cpu.py ARTIFACT [--requests 32 --prompt-tokens 64 --max-new-tokens 64] [--profile F]
 
 Starts `serve-artifact ARTIFACT` on 127.0.0.1, runs `bench --url` against it (a warm-up load, then the measured
-one), and reads each of the server's threads' CPU time from /proc before and after the measured load. uvicorn
+one), and reads each of the server's threads' CPU time from /proc before and after the measured load; then the
+loop's CPU per request for as many requests of one token each (taking a request in and answering it). uvicorn
 runs the event loop on the main thread (its id is the process id); the engine thread and torch's compute
 threads are the rest. Both hold the GIL for their Python work, so the loop's CPU per token, times the tokens a
 second the engine makes, is the share of one core the engine loses to serving over HTTP (once the two add up
@@ -62,10 +63,11 @@ def wait_ready(url: str, server: subprocess.Popen) -> None:
     sys.exit(f"the server was not ready after {READY_LIMIT_S} s")
 
 
-def bench(url: str, args: argparse.Namespace, json_path: str, seed: int) -> dict:
+def bench(url: str, args: argparse.Namespace, json_path: str, seed: int, max_new_tokens: int | None = None) -> dict:
     command = [sys.executable, "-m", "pt2serve.cli", "bench", "--mode", "requests", "--url", url,
                "--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
-               "--max-new-tokens", str(args.max_new_tokens), "--seed", str(seed), "--json", json_path]
+               "--max-new-tokens", str(max_new_tokens or args.max_new_tokens), "--seed", str(seed),
+               "--json", json_path]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return json.loads(Path(json_path).read_text())["summary"]
 
@@ -98,6 +100,10 @@ def main() -> None:
             before = thread_cpu_seconds(server.pid)
             summary = bench(url, args, f"{tmp}/load.json", seed=0)
             after = thread_cpu_seconds(server.pid)
+            # Then the same number of requests for one token each: the loop's cost of taking a request in
+            # (reading, parsing, checking, submitting) and answering it, with next to no streaming.
+            bench(url, args, f"{tmp}/intake.json", seed=3, max_new_tokens=1)
+            after_intake = thread_cpu_seconds(server.pid)
     finally:
         server.send_signal(signal.SIGINT)  # a clean exit, so cProfile writes its file
         server.wait(timeout=120)
@@ -116,6 +122,9 @@ def main() -> None:
     busiest_is = "the event reader" if args.engine_process else "the engine"
     print(f"| busiest other ({busiest_is}) | {busiest:.2f} | {1e6 * busiest / tokens:.0f} |")
     print(f"| all others ({len(spent)}) | {sum(spent.values()):.2f} | {1e6 * sum(spent.values()) / tokens:.0f} |")
+    intake = after_intake.get(server.pid, 0.0) - after.get(server.pid, 0.0)
+    print(f"{args.requests} requests of one token each: the event loop's CPU {1e6 * intake / args.requests:.0f} us "
+          "per request")
 
 
 if __name__ == "__main__":
